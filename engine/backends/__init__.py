@@ -1,0 +1,1 @@
+"""Compute backends. They never import the gateway, FastAPI, the DB or Ray Serve."""

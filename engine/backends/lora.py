@@ -1,0 +1,384 @@
+"""Multi-adapter LoRA for HF causal LMs, plus PEFT-format adapter files.
+
+Owns `MultiLoraLinear` (a frozen ``nn.Linear`` holding any number of named adapters), the routing
+context that says which adapter applies to which rows of the batch, adapter creation/removal with
+PEFT's default init, and reading/writing ``adapter_model.safetensors`` + ``adapter_config.json`` so
+that ``peft.PeftModel.from_pretrained`` loads what we save (and we load what peft saves).
+
+Why not peft at runtime: peft picks one active adapter per model (or per sample only in eval mode);
+routing by row segments lets several tenants' adapters share one batch later, with their own ranks.
+Adapter parameters are kept outside the module tree (plain dicts), so the base model's
+``parameters()`` / ``state_dict()`` never see them and each adapter's optimizer owns only its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.errors import CheckpointError
+from engine.protocol import LoraSpec
+
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_TARGETS = ("lm_head",)
+#: PEFT prefixes every key with the PeftModel → LoraModel → base model attribute path.
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+
+#: (adapter_id, row_start, row_end): rows [row_start, row_end) of the batch use that adapter.
+Segment = tuple[str, int, int]
+
+
+class _Router:
+    """Shared by every MultiLoraLinear of one model; holds the current routing segments."""
+
+    __slots__ = ("segments",)
+
+    def __init__(self) -> None:
+        self.segments: tuple[Segment, ...] = ()
+
+
+@dataclass
+class LoraWeights:
+    """One adapter inside one layer: delta(x) = (x @ A.T @ B.T) * scaling."""
+
+    A: nn.Parameter  # [r, in_features]
+    B: nn.Parameter  # [out_features, r]
+    scaling: float
+
+
+class MultiLoraLinear(nn.Module):
+    """A frozen ``nn.Linear`` plus named LoRA adapters, applied per batch-row segment."""
+
+    def __init__(self, base: nn.Linear, router: _Router, qualified_name: str) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.qualified_name = qualified_name
+        self.target_name = qualified_name.rsplit(".", 1)[-1]
+        self._router = router
+        self.adapters: dict[str, LoraWeights] = {}
+
+    # nn.Linear look-alikes, for code that inspects output embeddings or layer shapes.
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    def peft_key(self, which: str) -> str:
+        return f"{PEFT_PREFIX}{self.qualified_name}.lora_{which}.weight"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        segments = self._router.segments
+        if not segments or not self.adapters:
+            return out
+        n = x.shape[0]
+        deltas: list[tuple[int, int, torch.Tensor]] = []
+        for adapter_id, start, end in segments:
+            if end > n:
+                raise ValueError(f"LoRA segment {adapter_id!r} [{start}, {end}) exceeds batch {n}")
+            w = self.adapters.get(adapter_id)
+            if w is not None:  # adapter not targeting this layer: base output only
+                deltas.append((start, end, _delta(x[start:end], w).to(out.dtype)))
+        if not deltas:
+            return out
+        if len(deltas) == 1 and deltas[0][0] == 0 and deltas[0][1] == n:
+            return out + deltas[0][2]
+        # Assemble a full-batch delta with zeros between segments (torch.cat, not index_add_ into
+        # `out`: out is needed by autograd and must not be modified in place).
+        pieces: list[torch.Tensor] = []
+        pos = 0
+        for start, end, d in deltas:
+            if start > pos:
+                pieces.append(out.new_zeros((start - pos, *out.shape[1:])))
+            pieces.append(d)
+            pos = end
+        if pos < n:
+            pieces.append(out.new_zeros((n - pos, *out.shape[1:])))
+        return out + torch.cat(pieces, dim=0)
+
+    def extra_repr(self) -> str:
+        ranks = {k: tuple(w.A.shape)[0] for k, w in self.adapters.items()}
+        return f"target={self.target_name}, adapters={ranks}"
+
+
+def _delta(x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
+    return F.linear(F.linear(x.to(w.A.dtype), w.A), w.B) * w.scaling
+
+
+# ----------------------------------------------------------------------------------- model surgery
+
+
+def _is_target(name: str) -> bool:
+    parts = name.split(".")
+    last = parts[-1]
+    if name == "lm_head":
+        return True
+    if "layers" not in parts or len(parts) < 2:
+        return False
+    return (last in ATTN_TARGETS and parts[-2] == "self_attn") or (
+        last in MLP_TARGETS and parts[-2] == "mlp"
+    )
+
+
+def inject_multi_lora(model: nn.Module) -> list[str]:
+    """Wrap the attention/MLP projections of every decoder layer and ``lm_head`` in place.
+
+    Idempotent. Returns the wrapped module names. The base weights are not copied, so a tied
+    ``lm_head`` stays tied to the input embedding (and frozen: we never train base weights).
+    """
+    if getattr(model, "_twinkle_lora_router", None) is not None:
+        return [layer.qualified_name for layer in lora_layers(model)]
+    router = _Router()
+    wrapped: list[str] = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or not _is_target(name):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, MultiLoraLinear(module, router, name))
+        wrapped.append(name)
+    if not wrapped:
+        raise ValueError("inject_multi_lora: no q/k/v/o, gate/up/down or lm_head Linear found")
+    model._twinkle_lora_router = router
+    return wrapped
+
+
+def lora_layers(model: nn.Module) -> Iterator[MultiLoraLinear]:
+    """The wrapped layers in module order (the order adapters are initialised and saved in)."""
+    for module in model.modules():
+        if isinstance(module, MultiLoraLinear):
+            yield module
+
+
+@contextlib.contextmanager
+def lora_routing(model: nn.Module, segments: Sequence[Segment]) -> Iterator[None]:
+    """Within the block, rows [start, end) of every batch go through adapter ``adapter_id``.
+
+    Segments must not overlap; rows outside all segments get the base model only. Nesting restores
+    the outer routing on exit.
+    """
+    router: _Router | None = getattr(model, "_twinkle_lora_router", None)
+    if router is None:
+        raise ValueError("lora_routing: model has no MultiLoraLinear (call inject_multi_lora)")
+    ordered = tuple(sorted(((str(a), int(s), int(e)) for a, s, e in segments), key=lambda t: t[1]))
+    pos = 0
+    for adapter_id, start, end in ordered:
+        if start < pos or end <= start:
+            raise ValueError(f"lora_routing: bad or overlapping segment {(adapter_id, start, end)}")
+        pos = end
+    previous = router.segments
+    router.segments = ordered
+    try:
+        yield
+    finally:
+        router.segments = previous
+
+
+# ----------------------------------------------------------------------------------- adapters
+
+
+def target_module_names(spec: LoraSpec) -> list[str]:
+    """Short module names an adapter with ``spec`` trains (Tinker's three switches)."""
+    names: list[str] = []
+    if spec.train_attn:
+        names += ATTN_TARGETS
+    if spec.train_mlp:
+        names += MLP_TARGETS
+    if spec.train_unembed:
+        names += UNEMBED_TARGETS
+    return names
+
+
+def add_adapter(model: nn.Module, adapter_id: str, spec: LoraSpec) -> None:
+    """Add a fresh adapter with PEFT's default init: A ~ kaiming_uniform_(a=√5), B = 0.
+
+    A is drawn from a generator seeded with ``spec.seed``, in module order, so the init does not
+    depend on the global RNG or on other adapters. Parameters are float32 on the base's device.
+    """
+    targets = set(target_module_names(spec))
+    layers = [layer for layer in lora_layers(model) if layer.target_name in targets]
+    if not layers:
+        raise ValueError(f"adapter {adapter_id!r}: spec selects no module of this model")
+    if any(adapter_id in layer.adapters for layer in lora_layers(model)):
+        raise ValueError(f"adapter {adapter_id!r} already exists")
+    gen = torch.Generator(device="cpu").manual_seed(int(spec.seed))
+    scaling = float(spec.alpha) / int(spec.rank)
+    for layer in layers:
+        a = torch.empty(spec.rank, layer.in_features, dtype=torch.float32)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        b = torch.zeros(layer.out_features, spec.rank, dtype=torch.float32)
+        device = layer.base_layer.weight.device
+        layer.adapters[adapter_id] = LoraWeights(
+            A=nn.Parameter(a.to(device)), B=nn.Parameter(b.to(device)), scaling=scaling
+        )
+
+
+def remove_adapter(model: nn.Module, adapter_id: str) -> None:
+    """Drop the adapter from every layer (no-op if absent)."""
+    for layer in lora_layers(model):
+        layer.adapters.pop(adapter_id, None)
+
+
+def has_adapter(model: nn.Module, adapter_id: str) -> bool:
+    return any(adapter_id in layer.adapters for layer in lora_layers(model))
+
+
+def adapter_parameters(model: nn.Module, adapter_id: str) -> dict[str, nn.Parameter]:
+    """The adapter's parameters in module order, keyed by their PEFT names."""
+    params: dict[str, nn.Parameter] = {}
+    for layer in lora_layers(model):
+        w = layer.adapters.get(adapter_id)
+        if w is not None:
+            params[layer.peft_key("A")] = w.A
+            params[layer.peft_key("B")] = w.B
+    if not params:
+        raise KeyError(adapter_id)
+    return params
+
+
+# ----------------------------------------------------------------------------------- PEFT files
+
+
+def peft_config_dict(spec: LoraSpec, target_modules: list[str], base_model_name: str) -> dict:
+    """An ``adapter_config.json`` body that peft's LoraConfig accepts (only fields it knows)."""
+    return {
+        "alpha_pattern": {},
+        "base_model_name_or_path": base_model_name or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": 0.0,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": spec.rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": sorted(target_modules),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+
+
+def save_adapter(
+    model: nn.Module, adapter_id: str, spec: LoraSpec, directory: str | Path, base_model_name: str = ""
+) -> list[Path]:
+    """Write the PEFT files of one adapter into an existing ``directory``; returns their paths."""
+    directory = Path(directory)
+    params = adapter_parameters(model, adapter_id)
+    tensors = {k: p.detach().to("cpu", torch.float32).contiguous().clone() for k, p in params.items()}
+    weights_path = directory / ADAPTER_WEIGHTS_NAME
+    save_file(tensors, str(weights_path), metadata={"format": "pt"})
+    used = sorted({layer.target_name for layer in lora_layers(model) if adapter_id in layer.adapters})
+    config_path = directory / ADAPTER_CONFIG_NAME
+    body = peft_config_dict(spec, used, base_model_name)
+    config_path.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return [weights_path, config_path]
+
+
+def read_adapter_config(directory: str | Path, seed: int = 0) -> LoraSpec:
+    """Parse ``adapter_config.json`` into a LoraSpec; CheckpointError if we cannot honour it."""
+    path = Path(directory) / ADAPTER_CONFIG_NAME
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{path}: not a LoRA adapter config")
+    unsupported = [
+        k
+        for k, ok in (
+            ("use_dora", not cfg.get("use_dora")),
+            ("use_rslora", not cfg.get("use_rslora")),
+            ("rank_pattern", not cfg.get("rank_pattern")),
+            ("alpha_pattern", not cfg.get("alpha_pattern")),
+            ("bias", cfg.get("bias", "none") == "none"),
+            ("modules_to_save", not cfg.get("modules_to_save")),
+            ("fan_in_fan_out", not cfg.get("fan_in_fan_out")),
+        )
+        if not ok
+    ]
+    if unsupported:
+        raise CheckpointError(f"{path}: unsupported LoRA options: {', '.join(unsupported)}")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        targets = [*ATTN_TARGETS, *MLP_TARGETS] if targets == "all-linear" else None
+    known = set(ATTN_TARGETS) | set(MLP_TARGETS) | set(UNEMBED_TARGETS)
+    if not targets or not set(targets) <= known:
+        raise CheckpointError(f"{path}: target_modules {cfg.get('target_modules')!r} not supported")
+    try:
+        rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: missing or invalid r / lora_alpha") from None
+    # Tinker's switches are per group; a config naming part of a group cannot be represented.
+    groups = [set(ATTN_TARGETS), set(MLP_TARGETS), set(UNEMBED_TARGETS)]
+    flags = []
+    for group in groups:
+        chosen = group & set(targets)
+        if chosen and chosen != group:
+            raise CheckpointError(f"{path}: target_modules must name all of {sorted(group)} or none")
+        flags.append(bool(chosen))
+    return LoraSpec(
+        rank=rank, alpha=alpha, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2], seed=seed
+    )
+
+
+def load_adapter_weights(model: nn.Module, adapter_id: str, directory: str | Path) -> None:
+    """Copy ``adapter_model.safetensors`` into an existing adapter of matching shape."""
+    path = Path(directory) / ADAPTER_WEIGHTS_NAME
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    params = adapter_parameters(model, adapter_id)
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: tensors do not match the adapter (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    for key, p in params.items():
+        t = tensors[key]
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"{path}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(t.to(p.dtype))
+
+
+def load_adapter(model: nn.Module, adapter_id: str, directory: str | Path, seed: int = 0) -> LoraSpec:
+    """Add adapter ``adapter_id`` from PEFT files in ``directory``; nothing is left on failure."""
+    spec = read_adapter_config(directory, seed=seed)
+    add_adapter(model, adapter_id, spec)
+    try:
+        load_adapter_weights(model, adapter_id, directory)
+    except BaseException:
+        remove_adapter(model, adapter_id)
+        raise
+    return spec

@@ -1,0 +1,102 @@
+"""The server's topology config (YAML), validated strictly.
+
+Owns: which base models are served, with which backend and sampler, how many replicas, and the
+Ray / long-poll knobs. Unknown keys are an error naming the key. Process settings (data dir, DB URL)
+are the gateway's `Settings`, not this file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.errors import ConfigError
+
+TINY_MODEL_NAME = "twinkle/tiny-chat"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReplicaConfig(_Strict):
+    num_replicas: int = Field(1, ge=1, description="Ray Serve replicas of this deployment")
+    num_cpus: float = Field(0.5, gt=0, description="CPUs reserved per replica")
+    num_gpus: float = Field(0, ge=0, description="GPUs reserved per replica")
+
+
+class ModelConfig(_Strict):
+    name: str = Field(description="Base model name clients use (e.g. twinkle/tiny-chat)")
+    path: str | None = Field(None, description="Local HF folder; None only for built-in models")
+    backend: Literal["transformers"] = Field("transformers", description="Training backend")
+    sampler_type: Literal["torch"] = Field("torch", description="Sampler backend")
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank accepted")
+    max_context_length: int | None = Field(
+        None, ge=1, description="Advertised context length; default: the model's positions"
+    )
+    trainer: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    sampler: ReplicaConfig = Field(default_factory=ReplicaConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.max_lora_rank & (self.max_lora_rank - 1):
+            raise ValueError(f"max_lora_rank must be a power of 2, got {self.max_lora_rank}")
+        if self.path is None and self.name != TINY_MODEL_NAME:
+            raise ValueError(f"model {self.name!r} needs a 'path' (only {TINY_MODEL_NAME} is built in)")
+        return self
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(None, description="Existing cluster; None starts a local Ray")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray (default: all)")
+    object_store_memory_mb: int = Field(512, ge=64, description="Object store size, local Ray")
+
+
+class ServerConfig(_Strict):
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    models: list[ModelConfig] = Field(
+        default_factory=lambda: [ModelConfig(name=TINY_MODEL_NAME)],
+        min_length=1,
+        description="Base models served; each gets a Trainer and a Sampler deployment",
+    )
+    ray: RayConfig = Field(default_factory=RayConfig)
+    long_poll_seconds: float = Field(
+        25.0, gt=0, le=40, description="How long retrieve_future holds a request (SDK timeout 45 s)"
+    )
+    seq_gap_timeout_seconds: float = Field(
+        120.0, gt=0, description="How long a model's queue waits for a missing seq_id"
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ServerConfig:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate model names: {dupes}")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServerConfig:
+        """Load and validate; raises ConfigError naming the offending keys."""
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: object, source: str = "config") -> ServerConfig:
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+            )
+            raise ConfigError(f"invalid {source}: {problems}") from None

@@ -1,0 +1,45 @@
+"""Engine error hierarchy.
+
+Every error raised inside the engine derives from `EngineError`, carries a `category` ("user" when
+the caller's input was at fault, "server" otherwise) and is picklable (no custom ``__init__``), because
+errors cross Ray process boundaries. The gateway maps them to HTTP / failed futures in one place.
+"""
+
+
+class EngineError(Exception):
+    """Root of engine errors. ``str(err)`` is the message shown to the client."""
+
+    category = "server"
+
+
+class UserInputError(EngineError, ValueError):
+    """The request is malformed; the message names the field and the rule."""
+
+    category = "user"
+
+
+class AdapterNotFoundError(EngineError, KeyError):
+    """No adapter with that id is loaded on this replica."""
+
+    category = "user"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "adapter not found"
+
+
+class CheckpointError(EngineError, OSError):
+    """A checkpoint could not be read or is inconsistent with the target adapter."""
+
+    category = "user"
+
+
+class BackendError(EngineError, RuntimeError):
+    """The compute backend failed for a reason that is not the caller's fault."""
+
+    category = "server"
+
+
+class ConfigError(EngineError, ValueError):
+    """The server configuration is invalid."""
+
+    category = "server"

@@ -1,0 +1,76 @@
+"""FastAPI dependencies: DB session, principal, engine, future store, config, and ownership.
+
+Ownership resolvers load a row filtered by the caller's user id and answer 404 when it is not
+theirs, so ids of other tenants leak nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlmodel import Session
+
+from engine.config import ServerConfig
+from gateway.auth import Principal, PrincipalDep
+from gateway.engine_client import EngineClient
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.futures import FutureStore
+from gateway.settings import Settings
+from gateway.tables import SamplingSessionRow, SessionRow, TrainingRunRow
+
+
+def get_db(request: Request) -> Iterator[Session]:
+    with Session(request.app.state.db_engine) as session:
+        yield session
+
+
+def get_engine(request: Request) -> EngineClient:
+    return request.app.state.engine_client
+
+
+def get_futures(request: Request) -> FutureStore:
+    return request.app.state.futures
+
+
+def get_config(request: Request) -> ServerConfig:
+    return request.app.state.server_config
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+DbDep = Annotated[Session, Depends(get_db)]
+EngineDep = Annotated[EngineClient, Depends(get_engine)]
+FuturesDep = Annotated[FutureStore, Depends(get_futures)]
+ConfigDep = Annotated[ServerConfig, Depends(get_config)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+__all__ = ["Principal", "PrincipalDep"]
+
+
+def owned_session(db: Session, who: Principal, session_id: str) -> SessionRow:
+    row = db.get(SessionRow, session_id)
+    if row is None or row.user_id != who.user_id:
+        raise NotFoundError(f"session_id: session {session_id!r} not found")
+    if row.finished_at is not None:
+        raise InvalidRequestError(
+            f"session_id: session {session_id!r} was finished; create a new ServiceClient"
+        )
+    return row
+
+
+def owned_run(db: Session, who: Principal, model_id: str) -> TrainingRunRow:
+    row = db.get(TrainingRunRow, model_id)
+    if row is None or row.user_id != who.user_id:
+        raise NotFoundError(f"model_id: model {model_id!r} not found")
+    return row
+
+
+def owned_sampler(db: Session, who: Principal, sampler_id: str) -> SamplingSessionRow:
+    row = db.get(SamplingSessionRow, sampler_id)
+    if row is None or row.user_id != who.user_id:
+        raise NotFoundError(f"sampling_session_id: sampler {sampler_id!r} not found")
+    return row

@@ -1,0 +1,44 @@
+"""The gateway's only path to the engine.
+
+`EngineClient` routes a call to the Trainer or Sampler of a base model. Two transports: Ray Serve
+deployment handles (production) and in-process engine objects (tests, a single-process server).
+Engine errors come back as the engine's own (picklable) exceptions; Ray wraps them in
+`RayTaskError`, which we unwrap here so the gateway maps one hierarchy to HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import EngineError
+
+
+class EngineClient:
+    def __init__(self, engines: dict[str, dict[str, Any]], *, ray_handles: bool) -> None:
+        """``engines[base_model] = {"trainer": obj_or_handle, "sampler": obj_or_handle}``."""
+        self._engines = engines
+        self._ray = ray_handles
+
+    @property
+    def base_models(self) -> list[str]:
+        return list(self._engines)
+
+    def serves(self, base_model: str) -> bool:
+        return base_model in self._engines
+
+    async def trainer(self, base_model: str, method: str, *args: Any) -> Any:
+        return await self._call(self._engines[base_model]["trainer"], method, args)
+
+    async def sampler(self, base_model: str, method: str, *args: Any) -> Any:
+        return await self._call(self._engines[base_model]["sampler"], method, args)
+
+    async def _call(self, target: Any, method: str, args: tuple) -> Any:
+        if not self._ray:
+            return await getattr(target, method)(*args)
+        try:
+            return await getattr(target, method).remote(*args)
+        except Exception as exc:  # unwrap RayTaskError(cause) into the engine's error
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, EngineError):
+                raise cause from None
+            raise

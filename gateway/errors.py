@@ -1,0 +1,211 @@
+"""Gateway error hierarchy and its one mapping to HTTP responses.
+
+Owns: `GatewayError` and subclasses (class attributes ``status_code`` / ``code``; no custom
+``__init__``, so they pickle; the client-facing message is ``args[0]``), and
+`register_exception_handlers(app)`, which renders every error the same way::
+
+    {"error": {"code": ..., "message": ...}, "detail": message, "request_id": ...}
+
+Gateway errors, engine errors (``engine.errors.EngineError``), request validation errors (400 naming
+each field, never an empty body: the Tinker SDK retries empty 400s as a proxy rejection), Starlette
+HTTP errors, and unhandled exceptions (500, logged, no internals in the body). 4xx answers other
+than 408/429 carry ``x-should-retry: false`` so the SDK does not retry them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import uuid
+from typing import Any, ClassVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import AdapterNotFoundError, EngineError
+
+log = logging.getLogger(__name__)
+
+INTERNAL_MESSAGE = "internal server error"
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class GatewayError(Exception):
+    """Root of gateway errors. ``str(err)`` / ``err.message`` is what the client sees."""
+
+    status_code: ClassVar[int] = 500
+    code: ClassVar[str] = "internal"
+    default_message: ClassVar[str] = INTERNAL_MESSAGE
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else self.default_message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers for this error."""
+        return {}
+
+
+class InvalidRequestError(GatewayError):
+    status_code = 400
+    code = "invalid_request"
+    default_message = "invalid request"
+
+
+class AuthenticationError(GatewayError):
+    status_code = 401
+    code = "unauthenticated"
+    default_message = "missing or invalid API key"
+
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": 'Bearer realm="twinkle"'}
+
+
+class PermissionDeniedError(GatewayError):
+    status_code = 403
+    code = "permission_denied"
+    default_message = "permission denied"
+
+
+class NotFoundError(GatewayError):
+    status_code = 404
+    code = "not_found"
+    default_message = "not found"
+
+
+class ConflictError(GatewayError):
+    status_code = 409
+    code = "conflict"
+    default_message = "conflict"
+
+
+class RateLimitedError(GatewayError):
+    """``RateLimitedError(message, retry_after_s)``; the second arg is optional (default 1 s)."""
+
+    status_code = 429
+    code = "rate_limited"
+    default_message = "rate limited, retry later"
+    default_retry_after_s: ClassVar[float] = 1.0
+
+    @property
+    def retry_after_s(self) -> float:
+        return float(self.args[1]) if len(self.args) > 1 else self.default_retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+_CODE_BY_STATUS = {
+    400: "invalid_request",
+    401: "unauthenticated",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "timeout",
+    409: "conflict",
+    413: "too_large",
+    415: "unsupported_media_type",
+    429: "rate_limited",
+}
+
+
+def request_id_for(request: Request) -> str:
+    """``request.state.request_id`` if a middleware set one, else a sane ``X-Request-Id`` header,
+    else a fresh uuid4 hex (remembered on ``request.state``)."""
+    rid = getattr(request.state, "request_id", None)
+    if isinstance(rid, str) and rid:
+        return rid
+    header = request.headers.get("x-request-id", "")
+    rid = header if _REQUEST_ID_RE.match(header) else uuid.uuid4().hex
+    request.state.request_id = rid
+    return rid
+
+
+def error_response(
+    request: Request,
+    status_code: int,
+    code: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> JSONResponse:
+    """The one JSON error shape; sets ``x-should-retry: false`` on non-retryable 4xx."""
+    rid = request_id_for(request)
+    body: dict[str, Any] = {
+        "error": {"code": code, "message": message},
+        "detail": message,
+        "request_id": rid,
+    }
+    if extra:
+        body.update(extra)
+    out_headers = {"x-request-id": rid, **(headers or {})}
+    if 400 <= status_code < 500 and status_code not in (408, 429):
+        out_headers["x-should-retry"] = "false"
+    return JSONResponse(status_code=status_code, content=body, headers=out_headers)
+
+
+def format_validation_errors(errors: Any) -> tuple[str, list[dict[str, Any]]]:
+    """``("body.rank: Input should be a valid integer; ...", [{"loc", "msg", "type"}, ...])``.
+    Input values are not echoed back."""
+    parts: list[str] = []
+    items: list[dict[str, Any]] = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ())]
+        msg = str(err.get("msg", "invalid value"))
+        field = ".".join(loc) or "request"
+        parts.append(f"{field}: {msg}")
+        items.append({"loc": loc, "msg": msg, "type": str(err.get("type", ""))})
+    return ("; ".join(parts) or "invalid request"), items
+
+
+async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, GatewayError)
+    if exc.status_code >= 500:
+        log.error("gateway error %s: %s", type(exc).__name__, exc.message, exc_info=exc)
+    return error_response(request, exc.status_code, exc.code, exc.message, exc.headers())
+
+
+async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EngineError)
+    if getattr(exc, "category", "server") == "user":
+        if isinstance(exc, AdapterNotFoundError):
+            return error_response(request, 404, "not_found", str(exc))
+        return error_response(request, 400, "invalid_request", str(exc))
+    log.error("engine error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(request, 500, "internal", INTERNAL_MESSAGE)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, items = format_validation_errors(exc.errors())
+    return error_response(request, 400, "invalid_request", message, extra={"errors": items})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    if status in (204, 304):  # no body allowed
+        return Response(status_code=status, headers=exc.headers)
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    code = _CODE_BY_STATUS.get(status, "internal" if status >= 500 else "error")
+    return error_response(request, status, code, message, dict(exc.headers or {}))
+
+
+async def _unhandled_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(request, 500, "internal", INTERNAL_MESSAGE)
+
+
+def register_exception_handlers(app: FastAPI) -> None:
+    """Install every handler above on ``app``."""
+    app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(EngineError, _engine_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unhandled_error)

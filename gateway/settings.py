@@ -1,0 +1,41 @@
+"""Process settings for the gateway's storage layer, read from the environment in one place.
+
+Owns: ``TWINKLE_DATA_DIR`` (default ``./.twinkle``, made absolute) and ``TWINKLE_DATABASE_URL``
+(default ``sqlite:///<data_dir>/twinkle.db``). Reading has no side effects: nothing is created here
+(``gateway.db.make_engine`` creates the SQLite file's folder when it connects).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+DATA_DIR_ENV = "TWINKLE_DATA_DIR"
+DATABASE_URL_ENV = "TWINKLE_DATABASE_URL"
+DEFAULT_DATA_DIR = "./.twinkle"
+DB_FILENAME = "twinkle.db"
+
+
+class Settings(BaseModel):
+    """Resolved settings. Build with `Settings.from_env()`; construct directly in tests."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data_dir: Path
+    database_url: str
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read ``TWINKLE_DATA_DIR`` and ``TWINKLE_DATABASE_URL`` (empty values count as unset)."""
+        env = os.environ if environ is None else environ
+        data_dir = Path(env.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR).expanduser().resolve()
+        database_url = env.get(DATABASE_URL_ENV) or default_database_url(data_dir)
+        return cls(data_dir=data_dir, database_url=database_url)
+
+
+def default_database_url(data_dir: Path) -> str:
+    """``sqlite:///`` + the absolute path of ``<data_dir>/twinkle.db``."""
+    return f"sqlite:///{(Path(data_dir).resolve() / DB_FILENAME).as_posix()}"

@@ -1,0 +1,130 @@
+"""Protobuf ↔ engine types for the two Tinker messages that travel as protobuf.
+
+Uses the schema module shipped inside the `tinker` package (tinker_public_pb2), so our wire format
+is the SDK's by construction. Decoding validates structure and names the offending field; value
+checks that need the model (vocab size) happen in the engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+from engine.protocol import DatumInput, ForwardBackwardInput, ForwardBackwardOutput, SampleOutput
+from gateway.errors import InvalidRequestError
+
+_DTYPES = {
+    pb.DTYPE_FLOAT32: np.float32,
+    pb.DTYPE_INT64: np.int64,
+    pb.DTYPE_INT32: np.int32,
+}
+
+
+def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise InvalidRequestError(f"{where}.dtype: unsupported dtype {msg.dtype}")
+    shape = [int(s) for s in msg.shape]
+    if msg.HasField("sparse_csr"):
+        if len(shape) != 2:
+            raise InvalidRequestError(f"{where}: sparse tensors must be 2-D, got shape {shape}")
+        values = np.frombuffer(msg.sparse_csr.values, dtype=dtype)
+        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64)
+        col = np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64)
+        if len(crow) != shape[0] + 1 or len(col) != len(values):
+            raise InvalidRequestError(f"{where}: inconsistent sparse CSR indices")
+        if len(col) and (col.min() < 0 or col.max() >= shape[1]):
+            raise InvalidRequestError(f"{where}: sparse column index out of range")
+        dense = np.zeros(shape, dtype=dtype)
+        for r in range(shape[0]):
+            cols = col[crow[r] : crow[r + 1]]
+            dense[r, cols] = values[crow[r] : crow[r + 1]]
+        return dense
+    raw = msg.dense
+    itemsize = np.dtype(dtype).itemsize
+    if len(raw) % itemsize:
+        raise InvalidRequestError(f"{where}: byte length {len(raw)} is not a multiple of {itemsize}")
+    arr = np.frombuffer(raw, dtype=dtype).copy()
+    if shape:
+        if math.prod(shape) != arr.size:
+            raise InvalidRequestError(
+                f"{where}: shape {shape} does not match {arr.size} elements"
+            )
+        arr = arr.reshape(shape)
+    if dtype is np.int32:
+        arr = arr.astype(np.int64)
+    return arr
+
+
+def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackwardInput]:
+    """Parse a ForwardBackwardRequest; returns (model_id, seq_id, engine input)."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception:
+        raise InvalidRequestError("body: not a valid tinker_public.ForwardBackwardRequest") from None
+    if not msg.model_id:
+        raise InvalidRequestError("model_id: required")
+    if not msg.data:
+        raise InvalidRequestError("data: must contain at least one datum")
+    data: list[DatumInput] = []
+    for i, d in enumerate(msg.data):
+        tokens: list[int] = []
+        for j, chunk in enumerate(d.model_input):
+            which = chunk.WhichOneof("chunk")
+            if which != "encoded_text":
+                raise InvalidRequestError(
+                    f"data[{i}].model_input.chunks[{j}]: {which} chunks are not supported by "
+                    "text models; send encoded_text"
+                )
+            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        inputs = {
+            name: _tensor(t, f"data[{i}].loss_fn_inputs.{name}") for name, t in d.loss_fn_inputs.items()
+        }
+        data.append(DatumInput(tokens=tokens, loss_fn_inputs=inputs))
+    config: dict[str, float | str] = dict(msg.loss_fn_config)
+    for key, val in msg.loss_fn_config_v2.items():
+        which = val.WhichOneof("value")
+        config[key] = val.number if which == "number" else val.text
+    inp = ForwardBackwardInput(
+        data=data, loss_fn=msg.loss_fn or "cross_entropy", loss_fn_config=config,
+        forward_only=msg.forward_only,
+    )
+    return msg.model_id, int(msg.seq_id), inp
+
+
+def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    record = msg.loss_fn_outputs.add()
+    record.type_tag = "ArrayRecord"
+    record.num_datums = len(out.outputs)
+    names = list(out.outputs[0]) if out.outputs else []
+    for name in names:
+        arrays = [np.asarray(o[name]) for o in out.outputs]
+        is_float = np.issubdtype(arrays[0].dtype, np.floating)
+        np_dtype = np.float32 if is_float else np.int64
+        arrays = [a.astype(np_dtype, copy=False) for a in arrays]
+        trailing = list(arrays[0].shape[1:])
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        bt = record.fields[name]
+        bt.data = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+        bt.offsets = offsets.tobytes()
+        bt.dtype = pb.DTYPE_FLOAT32 if is_float else pb.DTYPE_INT64
+        bt.trailing_shape.extend(trailing)
+    for key, value in out.metrics.items():
+        msg.metrics[key] = float(value)
+    return msg.SerializeToString()
+
+
+def encode_sample_output(out: SampleOutput) -> bytes:
+    msg = pb.SampleResponse()
+    for seq in out.sequences:
+        s = msg.sequences.add()
+        s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
+        s.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
+        s.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+    if out.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray(out.prompt_logprobs, dtype=np.float32).tobytes()
+    return msg.SerializeToString()

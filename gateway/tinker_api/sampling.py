@@ -1,0 +1,132 @@
+"""Tinker sampling endpoints: create_sampling_session, samplers/{id}, asample."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from engine.protocol import SampleInput, SamplingParams
+from gateway.checkpoints import readable_checkpoint
+from gateway.deps import (
+    ConfigDep,
+    DbDep,
+    EngineDep,
+    FuturesDep,
+    PrincipalDep,
+    owned_sampler,
+    owned_session,
+)
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.tables import SamplingSessionRow, TrainingRunRow
+from gateway.tinker_api.proto_codec import encode_sample_output
+from gateway.tinker_api.schemas import CreateSamplingSessionRequest, SampleRequest
+
+router = APIRouter(prefix="/api/v1")
+DEFAULT_MAX_TOKENS = 128
+
+
+def _resolve_target(db, who, config, base_model: str | None, model_path: str | None):
+    """(base_model, adapter_dir, model_path) for a base model name or a readable checkpoint path."""
+    if model_path:
+        ckpt = readable_checkpoint(db, who.user_id, model_path, "model_path")
+        run = db.get(TrainingRunRow, ckpt.run_id)
+        if run is None:
+            raise NotFoundError(f"model_path: {model_path} not found")
+        return run.base_model, ckpt.storage_dir, model_path
+    if not base_model:
+        raise InvalidRequestError("base_model or model_path: one is required")
+    if config.model(base_model) is None:
+        raise InvalidRequestError(
+            f"base_model: {base_model!r} is not served here; available: {[m.name for m in config.models]}"
+        )
+    return base_model, None, None
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(
+    req: CreateSamplingSessionRequest, who: PrincipalDep, db: DbDep, config: ConfigDep
+) -> dict:
+    session = owned_session(db, who, req.session_id)
+    base, adapter_dir, path = _resolve_target(db, who, config, req.base_model, req.model_path)
+    sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}"
+    if db.get(SamplingSessionRow, sampler_id) is None:
+        db.add(SamplingSessionRow(
+            id=sampler_id, session_id=session.id, user_id=who.user_id, base_model=base,
+            model_path=path, adapter_dir=adapter_dir,
+        ))
+        db.commit()
+    return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, who: PrincipalDep, db: DbDep) -> dict:
+    row = owned_sampler(db, who, sampler_id)
+    return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
+
+
+def _sampling_params(req: SampleRequest) -> SamplingParams:
+    sp = req.sampling_params
+    stop = sp.stop
+    strings: list[str] = []
+    token_ids: list[int] = []
+    if isinstance(stop, str):
+        strings = [stop]
+    elif isinstance(stop, list) and stop and isinstance(stop[0], int):
+        token_ids = [int(t) for t in stop]
+    elif isinstance(stop, list):
+        strings = [str(s) for s in stop]
+    return SamplingParams(
+        max_tokens=sp.max_tokens or DEFAULT_MAX_TOKENS, temperature=sp.temperature, top_p=sp.top_p,
+        top_k=sp.top_k, seed=sp.seed, stop_strings=strings, stop_token_ids=token_ids,
+        stop_at_eos=stop is None,
+    )
+
+
+def _prompt_tokens(req: SampleRequest) -> list[int]:
+    tokens: list[int] = []
+    for i, chunk in enumerate(req.prompt.chunks):
+        kind = chunk.get("type", "encoded_text")
+        if kind != "encoded_text":
+            raise InvalidRequestError(
+                f"prompt.chunks[{i}].type: {kind!r} chunks are not supported by text models"
+            )
+        toks = chunk.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            raise InvalidRequestError(f"prompt.chunks[{i}].tokens: must be a list of integers")
+        tokens.extend(toks)
+    if not tokens:
+        raise InvalidRequestError("prompt: must contain at least one token")
+    return tokens
+
+
+@router.post("/asample")
+async def asample(
+    req: SampleRequest, who: PrincipalDep, db: DbDep, engine: EngineDep, futures: FuturesDep,
+    config: ConfigDep,
+) -> dict:
+    if req.sampling_session_id:
+        row = owned_sampler(db, who, req.sampling_session_id)
+        base, adapter_dir = row.base_model, row.adapter_dir
+        if row.model_path and adapter_dir is None:
+            base, adapter_dir, _ = _resolve_target(db, who, config, None, row.model_path)
+        idem = (row.id, req.seq_id) if req.seq_id is not None else None
+    else:
+        base, adapter_dir, _ = _resolve_target(db, who, config, req.base_model, req.model_path)
+        idem = None
+    if idem is not None and (prev := futures.lookup_idempotent(idem)) is not None:
+        return {"request_id": prev.request_id, "sample_sequence_ids": prev.extra["sequence_ids"]}
+    if req.prompt_alt_tokens_k or req.topk_prompt_logprobs or req.prompt_logprobs_last_n:
+        raise InvalidRequestError(
+            "prompt_alt_tokens_k, topk_prompt_logprobs, prompt_logprobs_last_n: not supported yet"
+        )
+    inp = SampleInput(
+        prompt_tokens=_prompt_tokens(req), num_samples=req.num_samples,
+        params=_sampling_params(req), prompt_logprobs=req.prompt_logprobs, adapter_dir=adapter_dir,
+    )
+
+    async def run_() -> tuple[str, object]:
+        out = await engine.sampler(base, "sample", inp)
+        return "proto", encode_sample_output(out)
+
+    rec = futures.submit(user_id=who.user_id, kind="sample", run=run_, idem_key=idem)
+    rec.extra["sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(req.num_samples)]
+    return {"request_id": rec.request_id, "sample_sequence_ids": rec.extra["sequence_ids"]}

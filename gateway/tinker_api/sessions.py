@@ -1,0 +1,101 @@
+"""Tinker session lifecycle and service-level endpoints: client config, sessions, heartbeats,
+telemetry, health and capabilities."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter
+
+from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, owned_session
+from gateway.errors import NotFoundError
+from gateway.tables import SessionRow, utcnow
+from gateway.tinker_api.schemas import (
+    ClientConfigRequest,
+    CreateSessionRequest,
+    FinishSessionRequest,
+    SessionHeartbeatRequest,
+)
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.post("/client/config")
+async def client_config(req: ClientConfigRequest, who: PrincipalDep) -> dict:
+    # Features are negotiated here. Plain API keys, uncompressed protobuf fwd/bwd bodies, no
+    # session-wide retrieve_futures, custom losses run client-side (tinker-protocol.md §10).
+    return {
+        "pjwt_auth_enabled": False,
+        "proto_compress_fwdbwd": False,
+        "sample_use_retrieve_futures": False,
+        "sample_join_sampling_session": False,
+        "custom_loss_server_side": False,
+    }
+
+
+@router.post("/client/dynamic_config")
+async def dynamic_config(req: ClientConfigRequest, who: PrincipalDep) -> dict:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.post("/create_session")
+async def create_session(req: CreateSessionRequest, who: PrincipalDep, db: DbDep) -> dict:
+    row = SessionRow(
+        id=f"sess-{uuid.uuid4().hex[:16]}", user_id=who.user_id, sdk_version=req.sdk_version,
+        tags=req.tags, user_metadata=req.user_metadata or {}, project_id=req.project_id,
+        display_name=req.display_name,
+    )
+    db.add(row)
+    db.commit()
+    return {"session_id": row.id, "type": "create_session"}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(req: SessionHeartbeatRequest, who: PrincipalDep, db: DbDep) -> dict:
+    row = owned_session(db, who, req.session_id)
+    row.last_heartbeat_at = utcnow()
+    db.add(row)
+    db.commit()
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(
+    session_id: str, req: FinishSessionRequest, who: PrincipalDep, db: DbDep
+) -> dict:
+    row = db.get(SessionRow, session_id)
+    if row is None or row.user_id != who.user_id:
+        raise NotFoundError(f"session_id: session {session_id!r} not found")
+    if row.finished_at is None:
+        row.finished_at = utcnow()
+        row.finish_reason = req.reason.type if req.reason else "success"
+        db.add(row)
+        db.commit()
+    return {"status": "finished", "session_id": session_id}
+
+
+@router.post("/telemetry")
+async def telemetry(who: PrincipalDep) -> dict:
+    return {"status": "accepted"}
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(who: PrincipalDep, config: ConfigDep, engine: EngineDep) -> dict:
+    models = []
+    for m in config.models:
+        info = await engine.trainer(m.name, "info")
+        models.append(
+            {
+                "model_name": m.name,
+                "max_context_length": m.max_context_length or info.get("max_context_length"),
+                "max_lora_rank": info["max_lora_rank"],
+                "trainable": True,
+                "sampleable": True,
+            }
+        )
+    return {"supported_models": models}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv/ at the repo root with the `twinkle` command, reproducibly (constraints.txt).
+# torch goes in first as the CPU build so nothing later pulls a multi-GB CUDA build.
+# Idempotent: skips work when .venv matches constraints.txt + pyproject files.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+STAMP=.venv/.twinkle-installed
+WANT=$(cat constraints.txt pyproject.toml client/pyproject.toml | sha256sum | cut -c1-16)
+if [[ -f $STAMP && $(cat $STAMP) == "$WANT" && -x .venv/bin/twinkle ]]; then
+  exit 0
+fi
+echo "[install] creating .venv with $($PY --version)" >&2
+[[ -d .venv ]] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+FIND=()
+[[ -d /opt/wheels ]] && FIND=(--find-links /opt/wheels)   # the provisioned torch CPU wheel
+TORCH=$(grep -E '^torch==' constraints.txt)
+"${PIP[@]}" install "${FIND[@]}" "$TORCH"
+"${PIP[@]}" install "${FIND[@]}" -c constraints.txt -e '.[dev]' -e ./client
+.venv/bin/python -c 'import torch; assert torch.__version__.startswith("2.13"), torch.__version__'
+echo "$WANT" > $STAMP
+echo "[install] done: .venv/bin/twinkle" >&2

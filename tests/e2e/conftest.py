@@ -1,0 +1,79 @@
+"""A real `twinkle serve` (Ray Serve, SQLite, the tiny model) for the e2e suite, started once.
+
+The server runs as a subprocess of the test session with its own data dir and a free port; keys are
+made with the real `twinkle keys create` command against the same DB.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TWINKLE = str(Path(sys.executable).parent / "twinkle")
+STARTUP_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, url: str, data_dir: Path, env: dict[str, str], proc: subprocess.Popen):
+        self.url, self.data_dir, self.env, self.proc = url, data_dir, env, proc
+
+    def create_key(self, user: str, admin: bool = False) -> str:
+        cmd = [TWINKLE, "keys", "create", "--user", user] + (["--admin"] if admin else [])
+        out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=True, timeout=120)
+        return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    data_dir = tmp_path_factory.mktemp("twinkle-data")
+    port = _free_port()
+    env = dict(os.environ, TWINKLE_DATA_DIR=str(data_dir), TINKER_TELEMETRY="0",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    log = open(data_dir / "serve.log", "w")
+    proc = subprocess.Popen(
+        [TWINKLE, "serve", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"twinkle serve exited early:\n{(data_dir / 'serve.log').read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"twinkle serve not ready:\n{(data_dir / 'serve.log').read_text()[-4000:]}")
+        time.sleep(1)
+    srv = Server(url, data_dir, env, proc)
+    yield srv
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def api_key(server: Server) -> str:
+    return server.create_key("alice")

@@ -1,0 +1,125 @@
+"""The unmodified tinker 0.38.0 SDK trains a LoRA on twinkle/tiny-chat through `twinkle serve`
+and samples from it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+pytestmark = pytest.mark.e2e
+BASE = "twinkle/tiny-chat"
+
+# Small fixed data: deterministic token sequences (ids well inside the 2048-token vocab).
+_rng = np.random.default_rng(1234)
+SEQS = [(_rng.integers(10, 500, size=12)).tolist() for _ in range(4)]
+
+
+def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
+    target = tokens[1:]
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": target, "weights": weights or [1.0] * len(target)},
+    )
+
+
+DATA = [datum(s) for s in SEQS]
+N_TOKENS = sum(len(s) - 1 for s in SEQS)
+ADAM = types.AdamParams(learning_rate=1e-2)
+
+
+def train_step(tc, data=DATA) -> float:
+    fb = tc.forward_backward(data, "cross_entropy")
+    opt = tc.optim_step(ADAM)
+    out = fb.result()
+    opt.result()
+    return out.metrics["loss:sum"] / N_TOKENS
+
+
+@pytest.fixture(scope="module")
+def service(server, api_key):
+    sc = tinker.ServiceClient(base_url=server.url, api_key=api_key)
+    yield sc
+    sc.close("success")
+
+
+def test_sft_loop_save_resume_and_sample(service):
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=7)
+    assert tc.get_info().model_data.model_name == BASE
+    losses = []
+    state_path = None
+    for step in range(30):
+        losses.append(train_step(tc))
+        if step == 19:
+            state_path = tc.save_state("mid").result().path
+            assert state_path == f"tinker://{tc.model_id}/weights/mid"
+            # The next step of the original run, measured by forward on the same data.
+            original_next = tc.forward(DATA, "cross_entropy").result().metrics["loss:sum"]
+    assert losses[-1] <= losses[0] / 2, losses
+
+    resumed = service.create_training_client_from_state_with_optimizer(state_path)
+    resumed_loss = resumed.forward(DATA, "cross_entropy").result().metrics["loss:sum"]
+    assert resumed_loss == pytest.approx(original_next, abs=1e-5)
+
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints(SEQS[0][:5])
+    res = sampler.sample(prompt, num_samples=4,
+                         sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)).result()
+    assert len(res.sequences) == 4
+    for seq in res.sequences:
+        assert 1 <= len(seq.tokens) <= 6
+        assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
+        assert all(lp <= 0 for lp in seq.logprobs)
+
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+    a = sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
+    b = sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
+    assert a == b
+
+    lps = sampler.compute_logprobs(types.ModelInput.from_ints(SEQS[1])).result()
+    assert len(lps) == len(SEQS[1])
+    assert lps[0] is None and all(lp is not None and lp <= 0 for lp in lps[1:])
+
+
+def test_resume_reproduces_next_step_loss(service):
+    """Train, save_state with optimizer, take one more step; a client created from the state takes
+    the same step and gets the same loss."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=11)
+    for _ in range(3):
+        train_step(tc)
+    path = tc.save_state("s3").result().path
+    train_step(tc)  # step 4 of the original
+    after_original = tc.forward(DATA, "cross_entropy").result().metrics["loss:sum"]
+
+    resumed = service.create_training_client_from_state_with_optimizer(path)
+    train_step(resumed)  # step 4 of the resumed run: needs the AdamW moments to match
+    after_resumed = resumed.forward(DATA, "cross_entropy").result().metrics["loss:sum"]
+    assert after_resumed == pytest.approx(after_original, abs=1e-5)
+
+    # Without optimizer state the moments restart, so the step differs (the test can fail).
+    fresh = service.create_training_client_from_state(path)
+    train_step(fresh)
+    after_fresh = fresh.forward(DATA, "cross_entropy").result().metrics["loss:sum"]
+    assert not math.isclose(after_fresh, after_original, abs_tol=1e-5)
+
+
+def test_named_sampler_weights_and_checkpoint_listing(server, api_key, service):
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=1)
+    train_step(tc)
+    path = tc.save_weights_for_sampler("final").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/final"
+    sc = service.create_sampling_client(model_path=path)
+    out = sc.sample(types.ModelInput.from_ints(SEQS[2][:4]), 2,
+                    types.SamplingParams(max_tokens=3, temperature=0.0)).result()
+    assert len(out.sequences) == 2 and out.sequences[0].tokens == out.sequences[1].tokens
+
+    rest = service.create_rest_client()
+    ckpts = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [c.checkpoint_id for c in ckpts] == ["sampler_weights/final"]
+    runs = rest.list_training_runs().result()
+    assert tc.model_id in [r.training_run_id for r in runs.training_runs]
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []

@@ -1,0 +1,175 @@
+"""Alembic migrations vs. gateway/tables.py: upgrade from empty, no autogenerate drift, downgrade
+to base and back, idempotent upgrades, any cwd, and the repo-root ``alembic`` CLI.
+
+Set ``TWINKLE_TEST_POSTGRES_URL`` to also run the round trip on a real (empty) Postgres database.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlmodel import SQLModel
+
+import gateway.tables  # noqa: F401
+from gateway.db import (
+    REPO_ROOT,
+    alembic_config,
+    current_revision,
+    head_revision,
+    make_engine,
+    upgrade_to_head,
+)
+
+TABLES = {"users", "api_keys", "sessions", "training_runs", "checkpoints", "sampling_sessions"}
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'mig.db'}"
+        return
+    url = os.environ.get("TWINKLE_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("TWINKLE_TEST_POSTGRES_URL not set")
+    yield url
+    _downgrade(url, "base")
+
+
+def _drift(url: str) -> list:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+            return compare_metadata(ctx, SQLModel.metadata)
+    finally:
+        engine.dispose()
+
+
+def _downgrade(url: str, rev: str) -> None:
+    engine = make_engine(url, foreign_keys=False)
+    try:
+        with engine.connect() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, rev)
+            conn.commit()
+    finally:
+        engine.dispose()
+
+
+def _tables(url: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        return set(sa.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_from_empty_reaches_head_with_every_table(db_url: str) -> None:
+    upgrade_to_head(db_url)
+    engine = make_engine(db_url)
+    try:
+        assert current_revision(engine) == head_revision() == "0001"
+    finally:
+        engine.dispose()
+    assert _tables(db_url) == TABLES | {"alembic_version"}
+    assert {t.name for t in SQLModel.metadata.sorted_tables} == TABLES
+
+
+def test_no_drift_between_migrations_and_models(db_url: str) -> None:
+    upgrade_to_head(db_url)
+    assert _drift(db_url) == []
+
+
+def test_drift_check_is_not_vacuous(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'mig.db'}"
+    upgrade_to_head(url)
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DROP INDEX ix_api_keys_digest")
+    finally:
+        engine.dispose()
+    diffs = _drift(url)
+    assert any(d[0] == "add_index" and d[1].name == "ix_api_keys_digest" for d in diffs), diffs
+
+
+def test_downgrade_to_base_then_upgrade_again(db_url: str) -> None:
+    upgrade_to_head(db_url)
+    _downgrade(db_url, "base")
+    assert _tables(db_url) <= {"alembic_version"}
+    upgrade_to_head(db_url)
+    assert _tables(db_url) == TABLES | {"alembic_version"}
+    assert _drift(db_url) == []
+
+
+def test_upgrade_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'mig.db'}"
+    upgrade_to_head(url)
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO users (name, is_admin, created_at) VALUES ('u', 0, '2025-01-01')"
+            )
+        upgrade_to_head(url)
+        upgrade_to_head(engine)  # an existing engine works too
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM users").scalar() == 1
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_works_from_any_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    url = f"sqlite:///{tmp_path / 'sub' / 'dir' / 'mig.db'}"  # parent folders are created
+    upgrade_to_head(url)
+    assert _tables(url) == TABLES | {"alembic_version"}
+
+
+def test_sqlite_engine_pragmas(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'p.db'}")
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 5000
+    finally:
+        engine.dispose()
+
+
+def test_foreign_keys_are_enforced_after_upgrade(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'fk.db'}"
+    engine = make_engine(url)
+    try:
+        upgrade_to_head(engine)
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO api_keys (user_id, digest, prefix, scope, created_at) "
+                "VALUES (999, 'd', 'p', 'user', '2025-01-01')"
+            )
+    finally:
+        engine.dispose()
+
+
+def test_alembic_cli_from_repo_root(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TWINKLE_")}
+    env["TWINKLE_DATA_DIR"] = str(tmp_path / "data")
+    proc = subprocess.run(
+        [sys.executable, "-m", "alembic", "upgrade", "head"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    url = f"sqlite:///{tmp_path / 'data' / 'twinkle.db'}"
+    assert _tables(url) == TABLES | {"alembic_version"}
+    assert _drift(url) == []
