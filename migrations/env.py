@@ -1,4 +1,4 @@
-"""Alembic environment for Twinkle: target metadata is ``SQLModel.metadata`` from ``gateway.tables``.
+"""Alembic environment for Twinkle; target metadata: ``SQLModel.metadata`` from ``gateway.tables``.
 
 Owns how a migration run finds its database: a connection handed over by
 ``gateway.db.upgrade_to_head`` (``config.attributes["connection"]``), else ``attributes["url"]``,

@@ -210,7 +210,8 @@ def test_key_never_in_responses_logs_or_database(
 
     # The database holds only digests and display prefixes: scan every table's text...
     with engine.connect() as conn:
-        tables = [r[0] for r in conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE type='table'")]
+        sql = "SELECT name FROM sqlite_master WHERE type='table'"
+        tables = [r[0] for r in conn.exec_driver_sql(sql)]
         dump = " ".join(
             str(value)
             for table in tables

@@ -87,7 +87,8 @@ def test_invalid_body_is_400_json_naming_each_field(client: TestClient) -> None:
 
 
 def test_unparseable_body_is_400_not_empty(client: TestClient) -> None:
-    resp = client.post("/create", content=b"{not json", headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    resp = client.post("/create", content=b"{not json", headers=headers)
     assert resp.status_code == 400 and resp.json()["error"]["message"]
 
 

@@ -41,7 +41,9 @@ def _auth(key: str):
         engine.dispose()
 
 
-def test_create_prints_only_a_working_key(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_create_prints_only_a_working_key(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     key = _create(capsys, "--user", "alice")
     assert key.startswith("tml-")
     raw = base64.urlsafe_b64decode(key[4:] + "=" * (-len(key[4:]) % 4))
