@@ -364,12 +364,13 @@ def load_adapter_weights(model: nn.Module, adapter_id: str, directory: str | Pat
         raise CheckpointError(
             f"{path}: tensors do not match the adapter (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    for key, p in params.items():
+    for key, p in params.items():  # check every shape first, so a bad file changes nothing
         t = tensors[key]
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(f"{path}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(t.to(p.dtype))
+    with torch.no_grad():
+        for key, p in params.items():
+            p.copy_(tensors[key].to(p.dtype))
 
 
 def load_adapter(model: nn.Module, adapter_id: str, directory: str | Path, seed: int = 0) -> LoraSpec:

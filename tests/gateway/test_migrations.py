@@ -173,3 +173,21 @@ def test_alembic_cli_from_repo_root(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'data' / 'twinkle.db'}"
     assert _tables(url) == TABLES | {"alembic_version"}
     assert _drift(url) == []
+
+
+def test_in_memory_engine_can_be_migrated_and_used() -> None:
+    from gateway.auth import authenticate, create_user_and_key
+    from gateway.db import session_scope
+
+    engine = make_engine("sqlite://")
+    try:
+        upgrade_to_head(engine)
+        assert set(sa.inspect(engine).get_table_names()) == TABLES | {"alembic_version"}
+        with session_scope(engine) as session:
+            key = create_user_and_key(session, user_name="mem", admin=False)
+        with session_scope(engine) as session:
+            assert authenticate(session, key).user_name == "mem"
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    finally:
+        engine.dispose()
