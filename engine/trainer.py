@@ -63,7 +63,7 @@ class Trainer:
             "base_model": self.model.name,
             "vocab_size": self.backend.vocab_size,
             "max_lora_rank": self.backend.max_lora_rank,
-            "max_context_length": getattr(self.backend, "max_context_length", None),
+            "max_context_length": getattr(self.backend, "max_positions", None),
         }
 
     async def create_adapter(self, model_id: str, spec: LoraSpec) -> None:

@@ -8,7 +8,8 @@ that ``peft.PeftModel.from_pretrained`` loads what we save (and we load what pef
 Why not peft at runtime: peft picks one active adapter per model (or per sample only in eval mode);
 routing by row segments lets several tenants' adapters share one batch later, with their own ranks.
 Adapter parameters are kept outside the module tree (plain dicts), so the base model's
-``parameters()`` / ``state_dict()`` never see them and each adapter's optimizer owns only its own.
+``parameters()`` / ``state_dict()`` never see them and each adapter's optimizer owns only its own
+(it also means ``model.to(device)`` does not move them: add adapters after placing the model).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class MultiLoraLinear(nn.Module):
             if end > n:
                 raise ValueError(f"LoRA segment {adapter_id!r} [{start}, {end}) exceeds batch {n}")
             w = self.adapters.get(adapter_id)
-            if w is not None:  # adapter not targeting this layer: base output only
+            if w is not None:  # None: that adapter does not target this layer (base output only)
                 deltas.append((start, end, _delta(x[start:end], w).to(out.dtype)))
         if not deltas:
             return out
@@ -288,15 +289,23 @@ def peft_config_dict(spec: LoraSpec, target_modules: list[str], base_model_name:
 
 
 def save_adapter(
-    model: nn.Module, adapter_id: str, spec: LoraSpec, directory: str | Path, base_model_name: str = ""
+    model: nn.Module,
+    adapter_id: str,
+    spec: LoraSpec,
+    directory: str | Path,
+    base_model_name: str = "",
 ) -> list[Path]:
     """Write the PEFT files of one adapter into an existing ``directory``; returns their paths."""
     directory = Path(directory)
     params = adapter_parameters(model, adapter_id)
-    tensors = {k: p.detach().to("cpu", torch.float32).contiguous().clone() for k, p in params.items()}
+    tensors = {
+        k: p.detach().to("cpu", torch.float32).contiguous().clone() for k, p in params.items()
+    }
     weights_path = directory / ADAPTER_WEIGHTS_NAME
     save_file(tensors, str(weights_path), metadata={"format": "pt"})
-    used = sorted({layer.target_name for layer in lora_layers(model) if adapter_id in layer.adapters})
+    used = sorted(
+        {layer.target_name for layer in lora_layers(model) if adapter_id in layer.adapters}
+    )
     config_path = directory / ADAPTER_CONFIG_NAME
     body = peft_config_dict(spec, used, base_model_name)
     config_path.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -343,10 +352,17 @@ def read_adapter_config(directory: str | Path, seed: int = 0) -> LoraSpec:
     for group in groups:
         chosen = group & set(targets)
         if chosen and chosen != group:
-            raise CheckpointError(f"{path}: target_modules must name all of {sorted(group)} or none")
+            raise CheckpointError(
+                f"{path}: target_modules must name all of {sorted(group)} or none"
+            )
         flags.append(bool(chosen))
     return LoraSpec(
-        rank=rank, alpha=alpha, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2], seed=seed
+        rank=rank,
+        alpha=alpha,
+        train_attn=flags[0],
+        train_mlp=flags[1],
+        train_unembed=flags[2],
+        seed=seed,
     )
 
 
@@ -362,18 +378,23 @@ def load_adapter_weights(model: nn.Module, adapter_id: str, directory: str | Pat
     unexpected = sorted(set(tensors) - set(params))
     if missing or unexpected:
         raise CheckpointError(
-            f"{path}: tensors do not match the adapter (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            f"{path}: tensors do not match the adapter "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     for key, p in params.items():  # check every shape first, so a bad file changes nothing
         t = tensors[key]
         if tuple(t.shape) != tuple(p.shape):
-            raise CheckpointError(f"{path}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            raise CheckpointError(
+                f"{path}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
+            )
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(tensors[key].to(p.dtype))
 
 
-def load_adapter(model: nn.Module, adapter_id: str, directory: str | Path, seed: int = 0) -> LoraSpec:
+def load_adapter(
+    model: nn.Module, adapter_id: str, directory: str | Path, seed: int = 0
+) -> LoraSpec:
     """Add adapter ``adapter_id`` from PEFT files in ``directory``; nothing is left on failure."""
     spec = read_adapter_config(directory, seed=seed)
     add_adapter(model, adapter_id, spec)

@@ -30,7 +30,9 @@ def resolve_model_dir(name: str, data_dir: str | Path, path: str | None = None) 
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_dir():
-            raise ConfigError(f"model {name!r}: path {str(p)!r} does not exist or is not a directory")
+            raise ConfigError(
+                f"model {name!r}: path {str(p)!r} does not exist or is not a directory"
+            )
         return p
     if name not in _BUILDABLE:
         raise ConfigError(

@@ -2,9 +2,10 @@
 
 Owns the recipe of shared/docs/environment.md §2: a byte-level BPE tokenizer trained on the corpus
 shipped next to this file (``tiny_corpus.txt``, the source of truth: nothing is read from the
-interpreter's installation, so every machine builds the same tokenizer) and a randomly initialised
-2-layer Qwen2 model. The build is deterministic (same seed → byte-identical files) and atomic (written
-to a sibling temp dir, then renamed into place), so concurrent builders never see a half-built folder.
+interpreter's installation, so every machine builds the same tokenizer) and a randomly
+initialised 2-layer Qwen2 model. The build is deterministic (same seed → byte-identical files) and
+atomic (written to a sibling temp dir, then renamed into place), so concurrent builders never see
+a half-built folder.
 """
 
 from __future__ import annotations
@@ -39,8 +40,16 @@ _VOLATILE_JSON_KEYS = ("transformers_version",)
 
 
 def _train_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers import trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -131,6 +140,7 @@ def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _scrub_json(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is a shared, read-only asset
         try:
             # Atomic; replaces an empty out_dir, fails if another builder got there first.
             os.rename(tmp, out_dir)

@@ -1,0 +1,30 @@
+"""Unit-test fixtures: offline HF settings, 2 torch threads, one tiny model built per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+def _torch_threads() -> None:
+    try:
+        import torch
+    except ImportError:  # tests that need no torch still run
+        return
+    torch.set_num_threads(2)
+
+
+_torch_threads()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny chat model (engine/models/tiny.py), built once per test session."""
+    from engine.models.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("models") / "tiny-chat")
