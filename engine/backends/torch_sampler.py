@@ -112,7 +112,7 @@ class TorchSamplingBackend(SamplingBackend):
         for j, t in enumerate(prompt):
             if not _is_int(t) or not 0 <= t < self.vocab_size:
                 raise UserInputError(
-                    f"prompt: token id {t!r} at position {j} is out of range [0, {self.vocab_size})"
+                    f"prompt: token id {t!r} at position {j} is out of range [0, {self.vocab_size}) (the vocab size)"
                 )
         if not _is_int(inp.num_samples) or inp.num_samples < 1:
             raise UserInputError(f"num_samples: {inp.num_samples!r} must be an integer >= 1")

@@ -236,7 +236,7 @@ class TransformersTrainingBackend(TrainingBackend):
             j = tuple(int(x) for x in np.argwhere(bad)[0])
             pos = j[0] if len(j) == 1 else list(j)
             raise UserInputError(
-                f"{field}: token id {int(arr[j])} at position {pos} is out of range [0, {vocab})"
+                f"{field}: token id {int(arr[j])} at position {pos} is out of range [0, {vocab}) (the vocab size)"
             )
 
     def _micro_batches(self, data: list[_Datum]) -> list[list[int]]:

@@ -265,7 +265,8 @@ def _save_future(
             s.commit()
         if result_key == "sampling_session_id":
             return "json", {"sampling_session_id": sampling_session_id}
-        return "json", {"path": parsed.tinker_path, "type": "save_weights"}
+        rtype = "save_weights" if kind == "training" else "save_weights_for_sampler"
+        return "json", {"path": parsed.tinker_path, "type": rtype}
 
     return futures.submit(user_id=who.user_id, kind="save", run=run_, idem_key=(run.id, seq_id))
 
