@@ -29,6 +29,9 @@ class Sampler:
         self.backend = backend or build_sampling_backend(self.model, data_dir)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
 
+    async def info(self) -> dict:
+        return {"base_model": self.model.name, "vocab_size": self.backend.vocab_size}
+
     async def sample(self, inp: SampleInput) -> SampleOutput:
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, lambda: self.backend.sample(inp)

@@ -76,8 +76,17 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
     from engine.app import engine_apps
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+
+    def install_handlers() -> None:
+        # Ray's core worker installs a C-level SIGTERM handler that aborts the driver (exit -6)
+        # without stopping Serve; ours must win, so re-install after ray.init and serve.run.
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    install_handlers()
     t0 = time.monotonic()
     if config.ray.address:
         ray.init(address=config.ray.address, logging_level=logging.ERROR)
@@ -88,6 +97,7 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
             object_store_memory=config.ray.object_store_memory_mb * 1024 * 1024,
             logging_level=logging.ERROR,
         )
+    install_handlers()
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         app = Gateway.bind(
@@ -95,6 +105,7 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
             engine_apps(config, str(settings.data_dir)),
         )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        install_handlers()
         print(
             f"Twinkle ready at http://{config.host}:{config.port} "
             f"(models: {', '.join(m.name for m in config.models)}; "

@@ -3,9 +3,11 @@ telemetry, health and capabilities."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, owned_session
 from gateway.errors import NotFoundError
@@ -20,8 +22,15 @@ from gateway.tinker_api.schemas import (
 router = APIRouter(prefix="/api/v1")
 
 
-@router.get("/healthz")
-async def healthz() -> dict:
+@router.get("/healthz", response_model=None)
+async def healthz(config: ConfigDep, engine: EngineDep) -> dict | JSONResponse:
+    """200 only when the gateway and every model's Trainer and Sampler answer."""
+    try:
+        for m in config.models:
+            await asyncio.wait_for(engine.trainer(m.name, "info"), timeout=5)
+            await asyncio.wait_for(engine.sampler(m.name, "info"), timeout=5)
+    except Exception as exc:  # not ready yet, or a replica died
+        return JSONResponse({"status": "unavailable", "detail": type(exc).__name__}, status_code=503)
     return {"status": "ok"}
 
 

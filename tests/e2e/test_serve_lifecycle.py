@@ -1,0 +1,71 @@
+"""`twinkle serve` lifecycle: strict config, readiness, and a SIGTERM that leaves no process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import TWINKLE, _free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def _session_members(sid: int) -> list[str]:
+    """Processes whose session id is ``sid`` (Ray's gcs, raylet and workers inherit it)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2 :].split()
+        if int(fields[3]) == sid:  # field 6 of stat: session id
+            found.append(text[: text.rfind(")") + 1])
+    return found
+
+
+def test_unknown_config_key_is_an_error_naming_it(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("port: 8000\nmodels:\n  - name: twinkle/tiny-chat\n    max_lora_rnak: 8\n")
+    env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path / "data"))
+    out = subprocess.run([TWINKLE, "serve", "--config", str(cfg)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0
+    assert "models.0.max_lora_rnak" in out.stderr
+
+
+def test_sigterm_shuts_down_ray_completely(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path))
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([TWINKLE, "serve", "--port", str(port)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("server not ready")
+        assert len(_session_members(proc.pid)) > 3  # driver + gcs + raylet + replicas
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        deadline = time.monotonic() + 30
+        while _session_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert _session_members(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
