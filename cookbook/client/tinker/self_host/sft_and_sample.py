@@ -3,7 +3,7 @@
 Plain Tinker code: only `base_url` and the `tml-` key point at our server.
 
     TWINKLE_SERVER_URL=http://127.0.0.1:8000 TWINKLE_SERVER_TOKEN=tml-... \
-        python sft_and_sample.py --tokenizer-dir .twinkle/models/tiny-chat --steps 30
+        python sft_and_sample.py --tokenizer-dir .twinkle/models/tiny-chat --steps 60
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--base-url", default=os.environ.get("TWINKLE_SERVER_URL", "http://127.0.0.1:8000"))
     ap.add_argument("--api-key", default=os.environ.get("TWINKLE_SERVER_TOKEN"))
     ap.add_argument("--tokenizer-dir", required=True, help="folder of the base model's tokenizer")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lr", type=float, default=5e-3)
     args = ap.parse_args()
@@ -49,7 +49,7 @@ def main() -> None:
     n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in data)
 
     service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
-    training = service.create_lora_training_client(base_model=BASE_MODEL, rank=args.rank, seed=0)
+    training = service.create_lora_training_client(base_model=BASE_MODEL, rank=args.rank, seed=0).result()
     print(f"training run {training.model_id} on {BASE_MODEL}, LoRA rank {args.rank}")
     t0 = time.monotonic()
     for step in range(args.steps):
@@ -57,11 +57,11 @@ def main() -> None:
         opt = training.optim_step(types.AdamParams(learning_rate=args.lr))
         loss = fb.result().metrics["loss:sum"] / n_tokens
         opt.result()
-        if step % 5 == 0 or step == args.steps - 1:
+        if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  loss/token {loss:.4f}  ({time.monotonic() - t0:.1f}s)")
 
     state = training.save_state("final").result().path
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result()
     print(f"saved {state}")
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "what is 3 plus 4?"}], tokenize=False, add_generation_prompt=True
