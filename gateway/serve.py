@@ -14,11 +14,27 @@ import sys
 import threading
 import time
 
-from ray import serve
 
-from engine.config import ServerConfig
-from gateway.engine_client import EngineClient
-from gateway.settings import Settings
+def _prepare_env() -> None:
+    # Ray binds every socket to loopback only with this set (environment.md §6); no usage stats;
+    # no model hub at run time. Ray reads these when it is imported, so this runs first.
+    for key, value in {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+_prepare_env()
+
+from ray import serve  # noqa: E402
+
+from engine.config import ServerConfig  # noqa: E402
+from gateway.engine_client import EngineClient  # noqa: E402
+from gateway.settings import Settings  # noqa: E402
 
 log = logging.getLogger("twinkle.serve")
 APP_NAME = "twinkle"
@@ -38,19 +54,6 @@ class Gateway:
         from gateway.main import create_app
 
         return create_app(self._settings, self._config, EngineClient(self._engines, ray_handles=True))
-
-
-def _prepare_env() -> None:
-    # Ray binds every socket to loopback only with this set (environment.md §6); no usage stats;
-    # no model hub at run time.
-    for key, value in {
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }.items():
-        os.environ.setdefault(key, value)
 
 
 def serve_main(config_path: str | None, host: str | None, port: int | None) -> int:

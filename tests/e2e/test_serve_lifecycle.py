@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import time
@@ -14,6 +16,35 @@ import pytest
 from tests.e2e.conftest import TWINKLE, _free_port
 
 pytestmark = pytest.mark.e2e
+
+
+def _session_pids(sid: int) -> set[int]:
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if int(text[text.rfind(")") + 2 :].split()[3]) == sid:
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def _non_loopback_listeners(pids: set[int]) -> list[str]:
+    """Listening TCP sockets of ``pids`` bound to anything but loopback (ss from iproute2)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    bad = []
+    for line in out.splitlines():
+        cols = line.split()
+        local = cols[3]
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if owners & pids and not local.startswith(("127.", "[::1]", "[::ffff:127.", "localhost")):
+            # Known exception: Ray Serve 2.60 replicas bind their inter-deployment gRPC server to
+            # "[::]:0", hard-coded in ray/serve/_private/replica.py (see README, Security).
+            if "ray::ServeRepli" in line and local.startswith("*:"):
+                continue
+            bad.append(line)
+    return bad
 
 
 def _session_members(sid: int) -> list[str]:
@@ -59,6 +90,8 @@ def test_sigterm_shuts_down_ray_completely(tmp_path):
         else:
             pytest.fail("server not ready")
         assert len(_session_members(proc.pid)) > 3  # driver + gcs + raylet + replicas
+        if shutil.which("ss"):
+            assert _non_loopback_listeners(_session_pids(proc.pid)) == []
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
         deadline = time.monotonic() + 30
