@@ -37,6 +37,18 @@ class ModelConfig(_Strict):
     max_context_length: int | None = Field(
         None, ge=1, description="Advertised context length; default: the model's positions"
     )
+    max_loaded_adapters: int = Field(
+        64, ge=1, description="Adapters resident per Trainer replica; idle ones beyond this are "
+        "offloaded to disk (LRU) and reloaded on next use"
+    )
+    slice_tokens: int = Field(
+        1024, ge=16, description="Large forward_backward requests run in slices of at most this "
+        "many tokens, so other tenants' work interleaves (fairness)"
+    )
+    execution: Literal["auto", "fused", "sequential"] = Field(
+        "auto", description="Run ready work of several adapters as one fused batch, one by one, "
+        "or pick whichever a start-up measurement on this device finds faster"
+    )
     trainer: ReplicaConfig = Field(default_factory=ReplicaConfig)
     sampler: ReplicaConfig = Field(default_factory=ReplicaConfig)
 

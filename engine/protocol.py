@@ -51,7 +51,7 @@ class ForwardBackwardInput:
 @dataclass
 class ForwardBackwardOutput:
     """``outputs[i]`` belongs to ``data[i]``: ``logprobs`` float32 [N] (learner log p of targets),
-    ``elementwise_loss`` float32 [N]. ``metrics`` keys are ``name:reduction`` (always ``loss:sum``)."""
+    ``elementwise_loss`` float32 [N] where the loss is per token (not DPO). ``metrics`` keys are ``name:reduction`` (always ``loss:sum``)."""
 
     outputs: list[dict[str, np.ndarray]]
     metrics: dict[str, float]

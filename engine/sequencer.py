@@ -35,6 +35,10 @@ class Sequencer:
         self._next.pop(model_id, None)
         self._waiting.pop(model_id, None)
 
+    def expected(self, model_id: str) -> int | None:
+        """The seq_id this model runs next (None if unknown)."""
+        return self._next.get(model_id)
+
     def pending(self, model_id: str) -> int:
         """How many requests of this model are waiting for their turn."""
         return len(self._waiting.get(model_id, ()))

@@ -1,19 +1,21 @@
-"""The Trainer: one base model, many tenants' adapters, requests run in seq_id order per model.
+"""The Trainer: one base model, many tenants' adapters.
 
-Works in-process (tests, the native local API) and as a Ray Serve deployment (see engine/app.py):
-every public method is a coroutine. Compute runs on one worker thread, so the event loop stays free
-to accept and order requests while a step runs. Scheduling across tenants is FIFO by arrival at the
-worker for now.
+Per model, requests run in seq_id order (engine/sequencer.py); across tenants, compute is shared
+fairly by deficit round robin over tokens (engine/scheduler.py), with big forward_backward requests
+sliced so that small tenants never wait behind a whole big batch; adapters beyond the configured
+capacity are offloaded and reloaded transparently (engine/adapter_pool.py).
+
+Works in-process (tests, the local API) and as a Ray Serve deployment (engine/app.py): every
+public method is a coroutine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+import os
+from pathlib import Path
 
+from engine.adapter_pool import AdapterPool
 from engine.backends.base import TrainingBackend
 from engine.config import ModelConfig
 from engine.protocol import (
@@ -23,10 +25,11 @@ from engine.protocol import (
     LoraSpec,
     OptimStepOutput,
 )
+from engine.scheduler import FIXED_COST, FairScheduler
 from engine.sequencer import Sequencer
+from engine.slicing import merge_outputs, slice_input
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def build_training_backend(model: ModelConfig, data_dir: str) -> TrainingBackend:
@@ -50,13 +53,48 @@ class Trainer:
         backend: TrainingBackend | None = None,
     ) -> None:
         self.model = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
-        _limit_threads()
         self.backend = backend or build_training_backend(self.model, data_dir)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        offload = Path(data_dir) / "offload" / f"trainer-{os.getpid()}"
+        self.pool = AdapterPool(self.backend, self.model.max_loaded_adapters, offload)
+        self._sched = FairScheduler(quantum=self.model.slice_tokens)
+        self.execution = self._choose_execution()
         self._seq = Sequencer(gap_timeout)
+        self._tenant: dict[str, str] = {}
+        self._waiting: dict[tuple[str, int], str] = {}
 
-    async def _run(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+    # -- helpers -------------------------------------------------------------------------------
+    async def _compute(self, model_id: str, cost: int, fn, label: str, fuse_item=None):
+        tenant = self._tenant.get(model_id, model_id)
+
+        def job():
+            self.pool.use(model_id)
+            return fn()
+
+        return await self._sched.run(tenant, model_id, cost, job, label, fuse_item)
+
+    def _run_fused(self, items: list[tuple[str, ForwardBackwardInput]]) -> list:
+        for adapter_id, _ in items:
+            self.pool.use(adapter_id)
+        return self.backend.forward_backward_many(items)
+
+    def _choose_execution(self) -> dict:
+        """fused or sequential: configured, or measured on this device at start-up."""
+        mode = self.model.execution
+        costs: dict = {}
+        if mode == "auto":
+            try:
+                from engine.cost_model import measure_execution_costs
+
+                costs = measure_execution_costs(self.backend)
+                mode = costs["choice"]
+            except Exception:  # a failed measurement must not stop the server
+                log.exception("execution cost measurement failed; using sequential")
+                mode = "sequential"
+        if mode == "fused":
+            self._sched.fuse_fn = self._run_fused
+            self._sched.fuse_max_jobs = max(1, min(8, self.model.max_loaded_adapters))
+        log.info("trainer %s: %s execution %s", self.model.name, mode, costs)
+        return {"mode": mode, **costs}
 
     async def info(self) -> dict:
         return {
@@ -66,63 +104,146 @@ class Trainer:
             "max_context_length": getattr(self.backend, "max_positions", None),
         }
 
-    async def create_adapter(self, model_id: str, spec: LoraSpec) -> None:
+    async def stats(self) -> dict:
+        return {
+            "pool": self.pool.stats(),
+            "queued": self._sched.queued_tenants(),
+            "completed": self._sched.completed,
+            "fused_batches": self._sched.fused_batches,
+            "execution": self.execution,
+        }
+
+    async def status(self, model_id: str, seq_id: int) -> dict:
+        """Where a pending request is, for `queue_state_reason`."""
+        waiting_for = self._seq.expected(model_id)
+        running = self._sched.running
+        if running is not None and running.model_id == model_id:
+            return {"queue_state": "active", "reason": f"running ({running.label})"}
+        pos = self._sched.position(model_id)
+        if pos is not None:
+            ahead, total = pos
+            return {
+                "queue_state": "active",
+                "reason": f"queued for compute: {ahead} of {total} queued jobs run first",
+            }
+        if waiting_for is not None and waiting_for < seq_id:
+            return {
+                "queue_state": "active",
+                "reason": f"waiting for seq_id {waiting_for} of this model to arrive",
+            }
+        return {"queue_state": "active", "reason": "in progress"}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
         """The model's seq 0: afterwards its next request is seq 1."""
-        await self._run(lambda: self.backend.create_adapter(model_id, spec))
+        self._tenant[model_id] = tenant or model_id
+
+        def create():
+            self.backend.create_adapter(model_id, spec)
+            self.pool.added(model_id)
+
+        await self._sched.run(self._tenant[model_id], model_id, FIXED_COST, create, "create")
         self._seq.start(model_id, 1)
 
     async def load_state(
-        self, model_id: str, seq_id: int | None, directory: str, include_optimizer: bool
+        self,
+        model_id: str,
+        seq_id: int | None,
+        directory: str,
+        include_optimizer: bool,
+        tenant: str = "",
     ) -> LoraSpec:
         """Create-via-load (``seq_id`` None: this is the model's seq 0) or an in-order load."""
         if seq_id is None:
-            spec = await self._run(
-                lambda: self.backend.load_state(model_id, directory, include_optimizer=include_optimizer)
+            self._tenant[model_id] = tenant or model_id
+
+            def load_new() -> LoraSpec:
+                spec = self.backend.load_state(
+                    model_id, directory, include_optimizer=include_optimizer
+                )
+                self.pool.added(model_id)
+                return spec
+
+            spec = await self._sched.run(
+                self._tenant[model_id], model_id, FIXED_COST, load_new, "load"
             )
             self._seq.start(model_id, 1)
             return spec
         async with self._seq.turn(model_id, seq_id):
-            return await self._run(
-                lambda: self.backend.load_state(model_id, directory, include_optimizer=include_optimizer)
+            return await self._compute(
+                model_id,
+                FIXED_COST,
+                lambda: self.backend.load_state(
+                    model_id, directory, include_optimizer=include_optimizer
+                ),
+                "load_state",
             )
 
+    async def delete_adapter(self, model_id: str) -> None:
+        def delete():
+            self.backend.delete_adapter(model_id)
+            self.pool.removed(model_id)
+
+        await self._sched.run(
+            self._tenant.get(model_id, model_id), model_id, FIXED_COST, delete, "delete"
+        )
+        self._seq.forget(model_id)
+        self._tenant.pop(model_id, None)
+
+    # -- sequenced work ------------------------------------------------------------------------
     async def forward_backward(
         self, model_id: str, seq_id: int, inp: ForwardBackwardInput
     ) -> ForwardBackwardOutput:
         async with self._seq.turn(model_id, seq_id):
-            return await self._run(lambda: self.backend.forward_backward(model_id, inp))
+            slices = slice_input(inp, self.model.slice_tokens)
+            if len(slices) == 1:
+                return await self._compute(
+                    model_id,
+                    slices[0][1],
+                    lambda: self.backend.forward_backward(model_id, inp),
+                    "forward" if inp.forward_only else "forward_backward",
+                    fuse_item=(model_id, inp),
+                )
+            # Validate the whole request before any slice adds to the gradient.
+            validate = getattr(self.backend, "validate_input", None)
+            if validate is not None:
+                validate(inp)
+            outs = []
+            for part, cost in slices:
+                outs.append(
+                    await self._compute(
+                        model_id,
+                        cost,
+                        lambda p=part: self.backend.forward_backward(model_id, p),
+                        f"forward_backward slice {len(outs) + 1}/{len(slices)}",
+                        fuse_item=(model_id, part),
+                    )
+                )
+            return merge_outputs(outs)
 
     async def optim_step(self, model_id: str, seq_id: int, params: AdamParams) -> OptimStepOutput:
         async with self._seq.turn(model_id, seq_id):
-            return await self._run(lambda: self.backend.optim_step(model_id, params))
+            return await self._compute(
+                model_id,
+                FIXED_COST,
+                lambda: self.backend.optim_step(model_id, params),
+                "optim_step",
+            )
 
     async def save_state(
         self, model_id: str, seq_id: int, directory: str, include_optimizer: bool
     ) -> int:
         async with self._seq.turn(model_id, seq_id):
-            return await self._run(
-                lambda: self.backend.save_state(model_id, directory, include_optimizer=include_optimizer)
+            return await self._compute(
+                model_id,
+                FIXED_COST,
+                lambda: self.backend.save_state(
+                    model_id, directory, include_optimizer=include_optimizer
+                ),
+                "save",
             )
 
     async def skip(self, model_id: str, seq_id: int) -> None:
         """Let a request the gateway rejected pass the ordering, so later ones are not held up."""
         async with self._seq.turn(model_id, seq_id):
             pass
-
-    async def delete_adapter(self, model_id: str) -> None:
-        await self._run(lambda: self.backend.delete_adapter(model_id))
-        self._seq.forget(model_id)
-
-    async def queue_depth(self, model_id: str) -> int:
-        return self._seq.pending(model_id)
-
-
-def _limit_threads() -> None:
-    """Each replica gets a share of the CPUs; oversubscribing torch threads slows every tenant."""
-    import os
-
-    import torch
-
-    n = int(os.environ.get("TWINKLE_TORCH_THREADS", "0") or 0)
-    if n > 0:
-        torch.set_num_threads(n)

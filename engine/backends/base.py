@@ -8,7 +8,9 @@ synchronous and not thread-safe: the deployment serialises calls on one worker t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
+from engine.errors import EngineError
 from engine.protocol import (
     AdamParams,
     ForwardBackwardInput,
@@ -48,6 +50,30 @@ class TrainingBackend(ABC):
     def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
         """Run the loss; unless ``inp.forward_only``, add its gradient to the adapter's
         accumulated gradient (summed until the next optim_step)."""
+
+    def forward_backward_many(
+        self, items: Sequence[tuple[str, ForwardBackwardInput]]
+    ) -> list[ForwardBackwardOutput | EngineError]:
+        """Several adapters' requests at once (at most one item per adapter id, else ValueError).
+        Slot i gets item i's output or its EngineError; a failing item does not stop the others.
+        Results equal separate `forward_backward` calls. This default runs them one by one;
+        backends that can fuse them into one batch override it."""
+        ids = [aid for aid, _ in items]
+        if len(set(ids)) != len(ids):
+            dup = next(a for a in ids if ids.count(a) > 1)
+            raise ValueError(f"forward_backward_many: adapter {dup!r} appears more than once")
+        results: list[ForwardBackwardOutput | EngineError] = []
+        for aid, inp in items:
+            try:
+                results.append(self.forward_backward(aid, inp))
+            except EngineError as e:
+                results.append(e)
+        return results
+
+    def has_pending_grad(self, adapter_id: str) -> bool:
+        """True between a non-forward_only forward_backward and the next optim_step (an adapter
+        holding a gradient must not be evicted). Backends that accumulate gradients override it."""
+        raise NotImplementedError(f"{type(self).__name__} does not track pending gradients")
 
     @abstractmethod
     def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:

@@ -1,27 +1,30 @@
 """Training backend on plain HF transformers + our multi-adapter LoRA (CPU or one GPU).
 
 Owns one frozen float32 base model and, per adapter, its LoRA parameters, its own AdamW, its step
-count and whether a gradient is pending. Implements Tinker's cross_entropy loss (sum, not mean),
-gradient accumulation across forward_backward calls, AdamW steps with optional clipping, and
-atomic checkpoints (PEFT files + optimizer state + a sha256 manifest).
+count and whether a gradient is pending; running requests (one adapter's, or several adapters'
+fused into one padded batch: rows of all adapters, one base GEMM, `lora_routing` segments per
+adapter, one backward of the sum of their losses), gradient accumulation across calls, AdamW steps
+with optional clipping, and save/load of adapters. Input validation and padding live in
+`batching`, the loss math in `losses`, the checkpoint layout in `checkpoint_io`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import logging
 import math
-import os
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from engine.backends import checkpoint_io as ckpt
+from engine.backends import losses
 from engine.backends.base import TrainingBackend
+from engine.backends.batching import Datum, Request, micro_batches, pad_rows, validate_request
 from engine.backends.lora import (
     adapter_parameters,
     add_adapter,
@@ -31,7 +34,13 @@ from engine.backends.lora import (
     remove_adapter,
     save_adapter,
 )
-from engine.errors import AdapterNotFoundError, CheckpointError, UserInputError
+from engine.errors import (
+    AdapterNotFoundError,
+    BackendError,
+    CheckpointError,
+    EngineError,
+    UserInputError,
+)
 from engine.protocol import (
     AdamParams,
     ForwardBackwardInput,
@@ -40,11 +49,8 @@ from engine.protocol import (
     OptimStepOutput,
 )
 
-KNOWN_LOSSES = ("cross_entropy",)
-STATE_FILE = "twinkle_state.json"
-OPTIMIZER_FILE = "optimizer.pt"
-MANIFEST_FILE = "manifest.json"
-CHECKPOINT_FORMAT = 1
+log = logging.getLogger(__name__)
+KNOWN_LOSSES = losses.KNOWN_LOSSES
 
 
 @dataclass
@@ -57,11 +63,17 @@ class _Adapter:
 
 
 @dataclass
-class _Datum:
-    tokens: np.ndarray  # int64 [N]
-    targets: np.ndarray  # int64 [N, K]
-    weights: np.ndarray  # float32 [N, K]
-    two_d: bool  # target_tokens came as [N, K]: logprobs are returned as [N, K] too
+class _Job:
+    """One adapter's validated request inside a (possibly fused) run, and its results so far."""
+
+    slot: int
+    adapter_id: str
+    req: Request
+    outputs: list[dict[str, np.ndarray]]
+    metrics: losses.MetricSums = field(default_factory=losses.MetricSums)
+
+    def result(self) -> ForwardBackwardOutput:
+        return ForwardBackwardOutput(outputs=self.outputs, metrics=self.metrics.result())
 
 
 def _new_optimizer(params: dict[str, nn.Parameter]) -> torch.optim.AdamW:
@@ -73,31 +85,8 @@ def _shape(spec: LoraSpec) -> tuple:
     return (spec.rank, spec.alpha, spec.train_attn, spec.train_mlp, spec.train_unembed)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _as_int_array(value, field: str) -> np.ndarray:
-    try:
-        arr = np.asarray(value)
-        integral = (
-            arr.size == 0
-            or arr.dtype.kind in "iu"
-            or (arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)))
-        )
-    except (TypeError, ValueError):  # ragged or non-numeric input
-        integral = False
-    if not integral:
-        raise UserInputError(f"{field}: must be an array of integer token ids")
-    return arr.astype(np.int64)
-
-
 class TransformersTrainingBackend(TrainingBackend):
-    """Many LoRA adapters over one frozen HF causal LM; one adapter per call."""
+    """Many LoRA adapters over one frozen HF causal LM; one or several adapters per pass."""
 
     def __init__(
         self,
@@ -175,136 +164,140 @@ class TransformersTrainingBackend(TrainingBackend):
     def adapter_spec(self, adapter_id: str) -> LoraSpec:
         return self._get(adapter_id).spec
 
-    # ------------------------------------------------------------------------------- loss
+    def has_pending_grad(self, adapter_id: str) -> bool:
+        """True between a non-forward_only forward_backward and the next optim_step (False for an
+        adapter that is not loaded: it holds no gradient here)."""
+        st = self._adapters.get(adapter_id)
+        return bool(st is not None and st.has_grad)
 
-    def _validate(self, inp: ForwardBackwardInput) -> list[_Datum]:
-        if inp.loss_fn not in KNOWN_LOSSES:
-            raise UserInputError(
-                f"unknown loss_fn {inp.loss_fn!r}; known: {', '.join(KNOWN_LOSSES)}"
-            )
-        if not inp.data:
-            raise UserInputError("data: must contain at least one datum")
-        out: list[_Datum] = []
-        V = self.vocab_size
-        for i, d in enumerate(inp.data):
-            f = f"data[{i}]"
-            toks = _as_int_array(d.tokens, f"{f}.model_input")
-            n = toks.shape[0] if toks.ndim == 1 else 0
-            if toks.ndim != 1 or n == 0:
-                raise UserInputError(f"{f}.model_input: must contain at least one token")
-            if n > self.max_positions:
-                raise UserInputError(
-                    f"{f}.model_input: length {n} exceeds the model's maximum sequence length "
-                    f"{self.max_positions}"
-                )
-            self._check_range(toks, V, f"{f}.model_input")
-            lfi = d.loss_fn_inputs or {}
-            if "target_tokens" not in lfi:
-                raise UserInputError(
-                    f"{f}.loss_fn_inputs.target_tokens: required by loss_fn {inp.loss_fn!r}"
-                )
-            tgt = _as_int_array(lfi["target_tokens"], f"{f}.loss_fn_inputs.target_tokens")
-            if tgt.ndim not in (1, 2) or tgt.shape[0] != n or (tgt.ndim == 2 and tgt.shape[1] == 0):
-                raise UserInputError(
-                    f"{f}.loss_fn_inputs.target_tokens: shape {list(tgt.shape)} must be [{n}] or "
-                    f"[{n}, K], one row per input token (len(tokens) = {n})"
-                )
-            self._check_range(tgt, V, f"{f}.loss_fn_inputs.target_tokens")
-            w = lfi.get("weights")  # absent: plain next-token loss on every position
-            try:
-                wa = np.ones(tgt.shape) if w is None else np.asarray(w, dtype=np.float64)
-            except (TypeError, ValueError):
-                raise UserInputError(
-                    f"{f}.loss_fn_inputs.weights: must be an array of numbers"
-                ) from None
-            if wa.shape != tgt.shape:
-                raise UserInputError(
-                    f"{f}.loss_fn_inputs.weights: shape {list(wa.shape)} must equal the shape of "
-                    f"target_tokens {list(tgt.shape)} (len(tokens) = {n})"
-                )
-            if not np.all(np.isfinite(wa)):
-                j = int(np.argwhere(~np.isfinite(wa))[0][0])
-                raise UserInputError(f"{f}.loss_fn_inputs.weights: must be finite (position {j})")
-            wa = wa.reshape(n, -1).astype(np.float32)
-            out.append(_Datum(toks, tgt.reshape(n, -1), wa, two_d=tgt.ndim == 2))
-        return out
+    # ------------------------------------------------------------------------------- forward
 
-    @staticmethod
-    def _check_range(arr: np.ndarray, vocab: int, field: str) -> None:
-        bad = (arr < 0) | (arr >= vocab)
-        if bad.any():
-            j = tuple(int(x) for x in np.argwhere(bad)[0])
-            pos = j[0] if len(j) == 1 else list(j)
-            raise UserInputError(
-                f"{field}: token id {int(arr[j])} at position {pos} is out of range [0, {vocab}) (the vocab size)"
-            )
+    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> _Job:
+        self._get(adapter_id)
+        req = validate_request(inp, self.vocab_size, self.max_positions)
+        return _Job(slot, adapter_id, req, outputs=[{} for _ in req.data])
 
-    def _micro_batches(self, data: list[_Datum]) -> list[list[int]]:
-        batches: list[list[int]] = []
-        cur: list[int] = []
-        longest = 0
-        for i, d in enumerate(data):
-            n = d.tokens.shape[0]
-            if cur and max(longest, n) * (len(cur) + 1) > self.max_batch_tokens:
-                batches.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, n)
-        batches.append(cur)
-        return batches
-
-    def _cross_entropy(self, adapter_id: str, data: list[_Datum], idx: list[int], backward: bool):
-        """Loss of one micro-batch (right-padded); returns (loss value, per-datum outputs)."""
-        rows = [data[i] for i in idx]
-        B, T = len(rows), max(d.tokens.shape[0] for d in rows)
-        K = max(d.targets.shape[1] for d in rows)
-        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, T), dtype=torch.long)
-        tgt = torch.zeros((B, T, K), dtype=torch.long)
-        wts = torch.zeros((B, T, K), dtype=torch.float32)  # padding: zero weight, no loss/grad
-        for r, d in enumerate(rows):
-            n, k = d.targets.shape
-            ids[r, :n] = torch.from_numpy(d.tokens)
-            mask[r, :n] = 1
-            tgt[r, :n, :k] = torch.from_numpy(d.targets)
-            wts[r, :n, :k] = torch.from_numpy(d.weights)
-        ids, mask, tgt, wts = (t.to(self.device) for t in (ids, mask, tgt, wts))
-        with lora_routing(self.model, [(adapter_id, 0, B)]):
-            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tgt)  # [B, T, K]
-        per_token = -logp * wts
-        loss = per_token.sum()
-        if backward:
-            loss.backward()
-        outs = []
-        lp, el = logp.detach().cpu(), per_token.detach().sum(-1).cpu()
-        for r, d in enumerate(rows):
-            n, k = d.targets.shape
-            lpr = lp[r, :n, :k].numpy().astype(np.float32)
-            outs.append(
-                {
-                    "logprobs": lpr if d.two_d else lpr[:, 0].copy(),
-                    "elementwise_loss": el[r, :n].numpy().astype(np.float32),
-                }
-            )
-        return float(loss.detach()), outs
+    def validate_input(self, inp: ForwardBackwardInput) -> None:
+        """Raise the UserInputError the request would fail with, without computing anything
+        (the Trainer checks a whole request before running it in slices)."""
+        validate_request(inp, self.vocab_size, self.max_positions)
 
     def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
-        st = self._get(adapter_id)
-        data = self._validate(inp)
-        outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
-        total = 0.0
-        with torch.set_grad_enabled(not inp.forward_only):
-            for idx in self._micro_batches(data):
-                loss, outs = self._cross_entropy(
-                    adapter_id, data, idx, backward=not inp.forward_only
-                )
-                total += loss
-                for i, o in zip(idx, outs, strict=True):
-                    outputs[i] = o
-        if not inp.forward_only:
-            st.has_grad = True
-        return ForwardBackwardOutput(outputs=outputs, metrics={"loss:sum": total})
+        job = self._prepare(0, adapter_id, inp)
+        self._execute([job], grad=not job.req.forward_only)
+        return job.result()
+
+    def forward_backward_many(
+        self, items: Sequence[tuple[str, ForwardBackwardInput]]
+    ) -> list[ForwardBackwardOutput | EngineError]:
+        """Several adapters' requests in one fused pass (see the module docstring). Each slot gets
+        its output or its own EngineError (a bad item does not stop the others); a compute failure
+        fails every item of its pass (training items, or forward_only items) and leaves their
+        accumulated gradients as they were. Duplicate adapter ids raise ValueError."""
+        seen: set[str] = set()
+        for aid, _ in items:
+            if aid in seen:
+                raise ValueError(f"forward_backward_many: adapter {aid!r} appears more than once")
+            seen.add(aid)
+        results: list[ForwardBackwardOutput | EngineError | None] = [None] * len(items)
+        jobs: list[_Job] = []
+        for slot, (aid, inp) in enumerate(items):
+            try:
+                jobs.append(self._prepare(slot, aid, inp))
+            except EngineError as e:
+                results[slot] = e
+        for grad in (True, False):
+            group = [j for j in jobs if j.req.forward_only != grad]
+            if not group:
+                continue
+            try:
+                self._execute(group, grad=grad)
+            except EngineError as e:
+                err: EngineError = e
+            except Exception as e:
+                log.exception("fused forward_backward failed")
+                err = BackendError(f"forward_backward failed: {type(e).__name__}: {e}")
+                err.__cause__ = e
+            else:
+                for j in group:
+                    results[j.slot] = j.result()
+                continue
+            for j in group:
+                results[j.slot] = err
+        return results  # type: ignore[return-value]
+
+    def _execute(self, jobs: list[_Job], *, grad: bool) -> None:
+        """Run ``jobs`` (distinct adapters) as padded micro-batches; with ``grad``, add each loss's
+        gradient to its adapter's accumulated gradient (all or nothing)."""
+        units = [(j, u) for j, job in enumerate(jobs) for u in job.req.units]
+        lengths = [[jobs[j].req.data[i].tokens.shape[0] for i in u] for j, u in units]
+        # A gradient pending from earlier calls is set aside and added back at the end, so a
+        # failure half-way leaves it exactly as it was.
+        stash = [(p, p.grad) for j in jobs for p in self._get(j.adapter_id).params.values()]
+        if grad:
+            for p, _ in stash:
+                p.grad = None
+        try:
+            with torch.set_grad_enabled(grad):
+                for mb in micro_batches(lengths, self.max_batch_tokens):
+                    self._micro_batch(jobs, [units[k] for k in mb], grad)
+        except BaseException:
+            if grad:
+                for p, g in stash:
+                    p.grad = g
+            raise
+        if grad:
+            with torch.no_grad():
+                for p, g in stash:
+                    if g is not None:
+                        p.grad = g if p.grad is None else g.add_(p.grad)
+            for j in jobs:
+                self._get(j.adapter_id).has_grad = True
+
+    def _logprobs(self, rows: list[Datum]) -> torch.Tensor:
+        """log p(targets) [B, T, K] of right-padded rows, under the current LoRA routing."""
+        ids, mask, tgt = pad_rows(rows, self.pad_id, self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        return logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+    def _micro_batch(self, jobs: list[_Job], units: list[tuple[int, list[int]]], grad: bool):
+        rows = [(j, i) for j, u in units for i in u]  # rows of one job are contiguous
+        datums = [jobs[j].req.data[i] for j, i in rows]
+        ref: dict[int, torch.Tensor] = {}
+        need_ref = [
+            r
+            for r, (j, i) in enumerate(rows)
+            if jobs[j].req.loss.paired and "ref_logprobs" not in datums[r].inputs
+        ]
+        if need_ref:  # DPO without given reference logprobs: the base model's, no gradient
+            with torch.no_grad(), lora_routing(self.model, []):
+                base = self._logprobs([datums[r] for r in need_ref])
+            ref = {r: base[s, : datums[r].tokens.shape[0], 0] for s, r in enumerate(need_ref)}
+        segments, start = [], 0
+        for j, group in groupby(rows, key=lambda row: row[0]):
+            n = len(list(group))
+            if not jobs[j].req.disable_lora:
+                segments.append((jobs[j].adapter_id, start, start + n))
+            start += n
+        with lora_routing(self.model, segments):
+            logp = self._logprobs(datums)
+        total: torch.Tensor | None = None
+        start = 0
+        for j, group in groupby(rows, key=lambda row: row[0]):
+            idx = [i for _, i in group]
+            lps = [
+                logp[start + k, : d.targets.shape[0], : d.targets.shape[1]]
+                for k, d in enumerate(jobs[j].req.data[i] for i in idx)
+            ]
+            refs = [ref.get(start + k) for k in range(len(idx))]
+            job = jobs[j]
+            loss = losses.request_loss(
+                job.req, idx, lps, refs, job.outputs, job.metrics, self.device
+            )
+            total = loss if total is None else total + loss
+            start += len(idx)
+        if grad and total is not None and total.requires_grad:
+            total.backward()
 
     # ------------------------------------------------------------------------------- optimizer
 
@@ -362,119 +355,23 @@ class TransformersTrainingBackend(TrainingBackend):
 
     # ------------------------------------------------------------------------------- checkpoints
 
-    @staticmethod
-    def _optimizer_state_by_name(st: _Adapter) -> dict:
-        names = list(st.params)
-        sd = st.optimizer.state_dict()
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "state": {names[i]: v for i, v in sd["state"].items()},
-            "param_groups": [
-                {**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]
-            ],
-        }
-
-    @staticmethod
-    def _optimizer_state_by_index(st: _Adapter, saved: dict, path: Path) -> dict:
-        index = {name: i for i, name in enumerate(st.params)}
-        try:
-            groups = saved["param_groups"]
-            names = [n for g in groups for n in g["params"]]
-            if sorted(names) != sorted(index) or not set(saved["state"]) <= set(index):
-                raise CheckpointError(
-                    f"{path}: optimizer state does not match the adapter's parameters"
-                )
-            return {
-                "state": {index[n]: v for n, v in saved["state"].items()},
-                "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
-            }
-        except (KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{path}: malformed optimizer state") from None
-
     def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
         st = self._get(adapter_id)
-        target = Path(directory)
-        if target.exists():
-            raise CheckpointError(f"checkpoint directory {target} already exists")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            save_adapter(self.model, adapter_id, st.spec, tmp, self.base_model_name)
-            state = {
-                "format": CHECKPOINT_FORMAT,
-                "spec": asdict(st.spec),
-                "step": st.step,
-                "has_optimizer": bool(include_optimizer),
-                "base_model": self.base_model_name,
-            }
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-            if include_optimizer:
-                torch.save(self._optimizer_state_by_name(st), tmp / OPTIMIZER_FILE)
-            files = {
-                p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
-                for p in sorted(tmp.iterdir())
-            }
-            manifest = {"format": CHECKPOINT_FORMAT, "files": files}
-            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            total = sum(p.stat().st_size for p in tmp.iterdir())
-            os.chmod(tmp, 0o755)  # mkdtemp makes it private; samplers may run as another user
-            try:
-                os.rename(tmp, target)  # atomic: readers see no checkpoint or a complete one
-            except OSError:
-                raise CheckpointError(f"checkpoint directory {target} already exists") from None
-            return total
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
 
-    @staticmethod
-    def _verify_manifest(path: Path) -> dict:
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint {path} not found")
-        try:
-            manifest = json.loads((path / MANIFEST_FILE).read_text())
-            files = manifest["files"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise CheckpointError(
-                f"checkpoint {path}: missing or unreadable {MANIFEST_FILE}"
-            ) from None
-        for required in ("adapter_model.safetensors", "adapter_config.json", STATE_FILE):
-            if required not in files:
-                raise CheckpointError(f"checkpoint {path}: manifest does not list {required}")
-        for name, meta in files.items():
-            f = path / name
-            if Path(name).name != name or not f.is_file():
-                raise CheckpointError(f"checkpoint {path}: file {name} is missing")
-            if f.stat().st_size != meta.get("size") or _sha256(f) != meta.get("sha256"):
-                raise CheckpointError(
-                    f"checkpoint {path}: {name} does not match its sha256 in the manifest"
-                )
-        return files
+        def fill(tmp: Path) -> None:
+            save_adapter(self.model, adapter_id, st.spec, tmp, self.base_model_name)
+            ckpt.write_state(tmp, st.spec, st.step, include_optimizer, self.base_model_name)
+            if include_optimizer:
+                state = ckpt.optimizer_state_by_name(list(st.params), st.optimizer)
+                torch.save(state, tmp / ckpt.OPTIMIZER_FILE)
+
+        return ckpt.write_checkpoint_dir(Path(directory), fill)
 
     def load_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> LoraSpec:
         path = Path(directory)
-        files = self._verify_manifest(path)
-        try:
-            state = json.loads((path / STATE_FILE).read_text())
-            known = {f.name for f in fields(LoraSpec)}
-            spec = LoraSpec(**{k: v for k, v in state["spec"].items() if k in known})
-            step = int(state["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            raise CheckpointError(f"checkpoint {path}: unreadable {STATE_FILE}") from None
-        saved_opt = None
-        if include_optimizer:
-            if OPTIMIZER_FILE not in files:
-                raise CheckpointError(
-                    f"checkpoint {path} has no optimizer state (saved weights only)"
-                )
-            try:
-                saved_opt = torch.load(
-                    path / OPTIMIZER_FILE, map_location=self.device, weights_only=True
-                )
-            except Exception as e:
-                raise CheckpointError(
-                    f"checkpoint {path}: cannot read {OPTIMIZER_FILE}: {e}"
-                ) from None
+        files = ckpt.verify_manifest(path)
+        spec, step = ckpt.read_state(path)
+        saved_opt = ckpt.read_optimizer(path, files, self.device) if include_optimizer else None
         created = adapter_id not in self._adapters
         if created:
             self._check_spec(spec, CheckpointError)
@@ -492,7 +389,9 @@ class TransformersTrainingBackend(TrainingBackend):
             optimizer = _new_optimizer(st.params)
             if saved_opt is not None:
                 try:
-                    optimizer.load_state_dict(self._optimizer_state_by_index(st, saved_opt, path))
+                    optimizer.load_state_dict(
+                        ckpt.optimizer_state_by_index(list(st.params), saved_opt, path)
+                    )
                 except (ValueError, RuntimeError) as e:
                     raise CheckpointError(f"checkpoint {path}: bad optimizer state: {e}") from None
             load_adapter_weights(self.model, adapter_id, path)

@@ -73,6 +73,7 @@ def test_out_of_order_request_long_polls_then_completes(app_client):
     t0 = time.monotonic()
     pending = app_client.post("/api/v1/retrieve_future", json=second).json()
     assert pending["type"] == "try_again" and pending["queue_state"] == "active"
+    assert "waiting for seq_id 1" in pending["queue_state_reason"]
     assert time.monotonic() - t0 >= 0.4  # the server held the poll (long_poll_seconds=0.5)
 
     first = _fwdbwd(app_client, model_id, 1)

@@ -381,7 +381,11 @@ def _d(tokens, targets=None, weights=None, drop=()):
             "cross_entropy",
             "data[0].loss_fn_inputs.target_tokens: must be an array of integer",
         ),
-        ([_d([1, 2])], "x", "unknown loss_fn 'x'; known: cross_entropy"),
+        (
+            [_d([1, 2])],
+            "x",
+            "unknown loss_fn 'x'; known: cispo, cross_entropy, dpo, dro, importance_sampling, ppo",
+        ),
         ([_d(list(range(513)))], "cross_entropy", "data[0].model_input: length 513 exceeds"),
     ],
 )

@@ -1,0 +1,186 @@
+"""Input validation, micro-batching and padding for the training backend.
+
+Owns turning a client's `ForwardBackwardInput` into validated numpy arrays (`Request` of `Datum`s)
+with errors that name the field and the rule, the split of rows into micro-batches under a padded
+token budget (DPO pairs stay together), and right-padded tensors for one forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.backends.losses import LossSpec, get_loss, parse_config
+from engine.errors import UserInputError
+from engine.protocol import ForwardBackwardInput
+
+
+@dataclass
+class Datum:
+    tokens: np.ndarray  # int64 [N]
+    targets: np.ndarray  # int64 [N, K] (K = 1 unless the loss takes top-K targets)
+    weights: np.ndarray  # float32 [N, K] (ones when absent)
+    inputs: dict[str, np.ndarray]  # the loss's other float32 [N] loss_fn_inputs, by name
+    two_d: bool  # target_tokens came as [N, K]: logprobs are returned as [N, K] too
+
+
+@dataclass
+class Request:
+    """One validated forward_backward request."""
+
+    loss: LossSpec
+    config: dict[str, float]
+    data: list[Datum]
+    forward_only: bool
+    disable_lora: bool
+
+    @property
+    def units(self) -> list[list[int]]:
+        """Datum indices that must share a micro-batch: pairs for DPO, else single datums."""
+        step = 2 if self.loss.paired else 1
+        return [list(range(i, i + step)) for i in range(0, len(self.data), step)]
+
+
+def _as_int_array(value, field: str) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+        integral = (
+            arr.size == 0
+            or arr.dtype.kind in "iu"
+            or (arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)))
+        )
+    except (TypeError, ValueError):  # ragged or non-numeric input
+        integral = False
+    if not integral:
+        raise UserInputError(f"{field}: must be an array of integer token ids")
+    return arr.astype(np.int64)
+
+
+def _as_float_array(value, field: str, shape: tuple[int, ...], n: int) -> np.ndarray:
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise UserInputError(f"{field}: must be an array of numbers") from None
+    if arr.shape != shape:
+        want = f"[{', '.join(map(str, shape))}]"
+        raise UserInputError(
+            f"{field}: shape {list(arr.shape)} must be {want}, one value per input token "
+            f"(len(tokens) = {n})"
+        )
+    if not np.all(np.isfinite(arr)):
+        j = int(np.argwhere(~np.isfinite(arr))[0][0])
+        raise UserInputError(f"{field}: must be finite (position {j})")
+    return arr.astype(np.float32)
+
+
+def check_range(arr: np.ndarray, vocab: int, field: str) -> None:
+    bad = (arr < 0) | (arr >= vocab)
+    if bad.any():
+        j = tuple(int(x) for x in np.argwhere(bad)[0])
+        pos = j[0] if len(j) == 1 else list(j)
+        raise UserInputError(
+            f"{field}: token id {int(arr[j])} at position {pos} is out of range [0, {vocab}) "
+            "(the vocab size)"
+        )
+
+
+def _datum(d, f: str, loss: LossSpec, vocab: int, max_positions: int) -> Datum:
+    toks = _as_int_array(d.tokens, f"{f}.model_input")
+    n = toks.shape[0] if toks.ndim == 1 else 0
+    if toks.ndim != 1 or n == 0:
+        raise UserInputError(f"{f}.model_input: must contain at least one token")
+    if n > max_positions:
+        raise UserInputError(
+            f"{f}.model_input: length {n} exceeds the model's maximum sequence length "
+            f"{max_positions}"
+        )
+    check_range(toks, vocab, f"{f}.model_input")
+    lfi = d.loss_fn_inputs or {}
+    field = f"{f}.loss_fn_inputs"
+    if "target_tokens" not in lfi:
+        raise UserInputError(f"{field}.target_tokens: required by loss_fn {loss.name!r}")
+    tgt = _as_int_array(lfi["target_tokens"], f"{field}.target_tokens")
+    two_d_ok = tgt.ndim == 2 and tgt.shape[1] > 0 and loss.top_k
+    if tgt.shape[:1] != (n,) or not (tgt.ndim == 1 or two_d_ok):
+        want = f"[{n}] or [{n}, K]" if loss.top_k else f"[{n}] (loss_fn {loss.name!r})"
+        raise UserInputError(
+            f"{field}.target_tokens: shape {list(tgt.shape)} must be {want}, one row per input "
+            f"token (len(tokens) = {n})"
+        )
+    check_range(tgt, vocab, f"{field}.target_tokens")
+    w = lfi.get("weights")  # absent: every position counts with weight 1
+    if w is None or "weights" not in loss.optional:
+        wa = np.ones(tgt.shape, np.float32)
+    else:
+        try:
+            wa = _as_float_array(w, f"{field}.weights", tgt.shape, n)
+        except UserInputError as e:
+            if "shape" not in str(e):
+                raise
+            raise UserInputError(
+                f"{field}.weights: shape {list(np.shape(w))} must equal the shape of "
+                f"target_tokens {list(tgt.shape)} (len(tokens) = {n})"
+            ) from None
+    inputs: dict[str, np.ndarray] = {}
+    for name in (*loss.inputs, *(o for o in loss.optional if o != "weights")):
+        if name not in lfi or lfi[name] is None:
+            if name in loss.inputs:
+                raise UserInputError(f"{field}.{name}: required by loss_fn {loss.name!r}")
+            continue
+        inputs[name] = _as_float_array(lfi[name], f"{field}.{name}", (n,), n)
+    return Datum(toks, tgt.reshape(n, -1), wa.reshape(n, -1), inputs, two_d=tgt.ndim == 2)
+
+
+def validate_request(inp: ForwardBackwardInput, vocab: int, max_positions: int) -> Request:
+    """Check the whole request (loss name, config, every datum) before any compute."""
+    loss = get_loss(inp.loss_fn)
+    config, disable_lora = parse_config(loss, inp.loss_fn_config, bool(inp.forward_only))
+    if not inp.data:
+        raise UserInputError("data: must contain at least one datum")
+    if loss.paired and len(inp.data) % 2:
+        raise UserInputError(
+            f"data: loss_fn {loss.name!r} takes (chosen, rejected) pairs in batch order, so an "
+            f"even number of datums; got {len(inp.data)}"
+        )
+    data = [_datum(d, f"data[{i}]", loss, vocab, max_positions) for i, d in enumerate(inp.data)]
+    return Request(loss, config, data, bool(inp.forward_only), disable_lora)
+
+
+def micro_batches(units: Sequence[Sequence[int]], budget: int) -> list[list[int]]:
+    """Group consecutive units (each a list of row lengths) so that rows × longest row stays within
+    ``budget`` padded tokens (a unit over budget on its own is its own batch). Returns lists of
+    unit indices, in order."""
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    rows = longest = 0
+    for u, lengths in enumerate(units):
+        top = max(lengths)
+        if cur and max(longest, top) * (rows + len(lengths)) > budget:
+            batches.append(cur)
+            cur, rows, longest = [], 0, 0
+        cur.append(u)
+        rows += len(lengths)
+        longest = max(longest, top)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def pad_rows(
+    rows: Sequence[Datum], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids`` [B, T], ``attention_mask`` [B, T] and targets [B, T, K]."""
+    B, T = len(rows), max(d.tokens.shape[0] for d in rows)
+    K = max(d.targets.shape[1] for d in rows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    tgt = torch.zeros((B, T, K), dtype=torch.long)
+    for r, d in enumerate(rows):
+        n, k = d.targets.shape
+        ids[r, :n] = torch.from_numpy(d.tokens)
+        mask[r, :n] = 1
+        tgt[r, :n, :k] = torch.from_numpy(d.targets)
+    return ids.to(device), mask.to(device), tgt.to(device)

@@ -1,0 +1,314 @@
+"""Loss functions with Tinker semantics, and the registry that says what each one needs.
+
+Owns the math of every built-in loss (shared/docs/tinker-protocol.md §11, plus the native ``dpo``),
+as pure functions over torch tensors of ONE datum (or, for DPO, of a list of datums), so the
+single-adapter and the fused multi-adapter paths compute exactly the same thing; the `LossSpec`
+registry (required/optional ``loss_fn_inputs``, accepted ``loss_fn_config`` keys and defaults);
+parsing of ``loss_fn_config``; and the reduction of partial metrics across micro-batches.
+
+Every loss is a SUM over tokens and datums (never a mean). Notation: ``lp`` = learner log p of
+target_tokens [N], ``old`` = ``loss_fn_inputs["logprobs"]`` (sampling logprobs), ``A`` =
+``loss_fn_inputs["advantages"]``, ``ratio = exp(lp - old)``.
+
+* ``cross_entropy``: ``-sum(lp * weights)``; ``[N, K]`` targets/weights sum over K too.
+* ``importance_sampling``: ``-sum(ratio * A)``.
+* ``ppo``: ``-sum(min(ratio * A, clamp(ratio, clip_low_threshold, clip_high_threshold) * A))``;
+  defaults 0.8 / 1.2.
+* ``cispo``: ``-sum(stopgrad(clamp(ratio, low, high)) * lp * A)``; defaults 0.0 / 4.0.
+* ``dro``: ``-sum(lp * A - 0.5 * beta * (lp - old) ** 2)``; ``beta`` default 0.05.
+* ``dpo``: datums are (chosen, rejected) pairs in batch order; ``s = sum(lp * weights)`` per datum,
+  ``r`` the same with the reference logprobs (``loss_fn_inputs["ref_logprobs"]``, else the base
+  model's). ``-sum_pairs logsigmoid(beta * ((s_c - r_c) - (s_r - r_r))) + sft_weight *
+  sum_chosen(-s_c)``; ``beta`` default 0.1, ``sft_weight`` default 0.0. Extra metrics
+  ``dpo_accuracy:mean`` (pairs with margin > 0) and ``dpo_margin:mean`` where the margin is
+  ``beta * ((s_c - r_c) - (s_r - r_r))`` (TRL's "rewards/margins").
+
+Every loss also accepts ``loss_fn_config["disable_lora"]`` (forward_only only): logprobs of the base
+model, without the adapter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.errors import UserInputError
+
+if TYPE_CHECKING:
+    from engine.backends.batching import Request
+
+#: accepted by every loss: forward through the base model only (reference logprobs)
+DISABLE_LORA = "disable_lora"
+_TRUE = ("1", "1.0", "true", "yes", "on")
+_FALSE = ("0", "0.0", "false", "no", "off", "")
+
+
+# ----------------------------------------------------------------------------------- the math
+
+
+def ratio_of(lp: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Importance ratio ``exp(lp - old)`` (learner over sampler)."""
+    return torch.exp(lp - old)
+
+
+def cross_entropy(lp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per-token loss ``-lp * weights``; for ``[N, K]`` inputs summed over K → [N]."""
+    per = -lp * weights
+    return per.sum(-1) if per.dim() == 2 else per
+
+
+def importance_sampling(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """Per-token ``-ratio * A``."""
+    return -ratio_of(lp, old) * adv
+
+
+def ppo(
+    lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
+    """Per-token ``-min(ratio * A, clamp(ratio, low, high) * A)``."""
+    ratio = ratio_of(lp, old)
+    return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+
+
+def cispo(
+    lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
+    """Per-token ``-stopgrad(clamp(ratio, low, high)) * lp * A``."""
+    weight = ratio_of(lp, old).clamp(low, high).detach()
+    return -weight * lp * adv
+
+
+def dro(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-token ``-(lp * A - 0.5 * beta * (lp - old) ** 2)``."""
+    return -(lp * adv - 0.5 * beta * (lp - old) ** 2)
+
+
+def sequence_logprob(lp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum(lp * weights)``: log p of the weighted (response) tokens of one datum."""
+    return (lp * weights).sum()
+
+
+def dpo(
+    seq: torch.Tensor, ref: torch.Tensor, beta: float, sft_weight: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO over pairs. ``seq`` / ``ref`` [2P]: policy / reference sequence logprobs in the order
+    chosen_0, rejected_0, chosen_1, ... Returns (loss, margins [P] detached)."""
+    s_c, s_r, r_c, r_r = seq[0::2], seq[1::2], ref[0::2], ref[1::2]
+    margin = beta * ((s_c - r_c) - (s_r - r_r))
+    loss = -F.logsigmoid(margin).sum() + sft_weight * (-s_c).sum()
+    return loss, margin.detach()
+
+
+# ----------------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What a loss needs. ``inputs``: float [N] ``loss_fn_inputs`` it requires (besides
+    ``target_tokens``); ``optional``: ones it reads if present; ``config``: accepted
+    ``loss_fn_config`` keys with their defaults (``disable_lora`` is accepted by all)."""
+
+    name: str
+    inputs: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    config: Mapping[str, float] = field(default_factory=dict)
+    #: (lp [N] or [N, K], float inputs by name, config) → per-token loss [N]; None for DPO
+    per_token: Callable[..., torch.Tensor] | None = None
+    top_k: bool = False  # accepts [N, K] target_tokens / weights
+    paired: bool = False  # datums come in (chosen, rejected) pairs
+
+
+def _clip(cfg: Mapping[str, float]) -> tuple[float, float]:
+    return cfg["clip_low_threshold"], cfg["clip_high_threshold"]
+
+
+LOSSES: dict[str, LossSpec] = {
+    s.name: s
+    for s in (
+        LossSpec(
+            "cross_entropy",
+            optional=("weights",),
+            per_token=lambda lp, x, cfg: cross_entropy(lp, x["weights"]),
+            top_k=True,
+        ),
+        LossSpec(
+            "importance_sampling",
+            inputs=("logprobs", "advantages"),
+            per_token=lambda lp, x, cfg: importance_sampling(lp, x["logprobs"], x["advantages"]),
+        ),
+        LossSpec(
+            "ppo",
+            inputs=("logprobs", "advantages"),
+            config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+            per_token=lambda lp, x, cfg: ppo(lp, x["logprobs"], x["advantages"], *_clip(cfg)),
+        ),
+        LossSpec(
+            "cispo",
+            inputs=("logprobs", "advantages"),
+            config={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+            per_token=lambda lp, x, cfg: cispo(lp, x["logprobs"], x["advantages"], *_clip(cfg)),
+        ),
+        LossSpec(
+            "dro",
+            inputs=("logprobs", "advantages"),
+            config={"beta": 0.05},
+            per_token=lambda lp, x, cfg: dro(lp, x["logprobs"], x["advantages"], cfg["beta"]),
+        ),
+        LossSpec(
+            "dpo",
+            optional=("weights", "ref_logprobs"),
+            config={"beta": 0.1, "sft_weight": 0.0},
+            paired=True,
+        ),
+    )
+}
+KNOWN_LOSSES = tuple(sorted(LOSSES))
+
+
+def get_loss(name: object) -> LossSpec:
+    """The spec of ``name``; UserInputError listing the known losses otherwise (no fallback)."""
+    spec = LOSSES.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise UserInputError(f"unknown loss_fn {name!r}; known: {', '.join(KNOWN_LOSSES)}")
+    return spec
+
+
+def _number(key: str, value: object) -> float:
+    if isinstance(value, bool):
+        value = float(value)
+    try:
+        out = float(value.strip()) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        out = math.nan
+    if not math.isfinite(out):
+        raise UserInputError(f"loss_fn_config.{key}: {value!r} must be a finite number")
+    return out
+
+
+def _flag(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise UserInputError(f"loss_fn_config.{key}: {value!r} must be true/false (or 1/0)")
+
+
+def parse_config(
+    spec: LossSpec, raw: Mapping[str, object] | None, forward_only: bool
+) -> tuple[dict[str, float], bool]:
+    """Validate ``loss_fn_config`` for ``spec``: (config with defaults filled in, disable_lora)."""
+    cfg = dict(spec.config)
+    disable = False
+    accepted = sorted([*spec.config, DISABLE_LORA])
+    for key, value in (raw or {}).items():
+        if key == DISABLE_LORA:
+            disable = _flag(key, value)
+        elif key in spec.config:
+            cfg[key] = _number(key, value)
+        else:
+            raise UserInputError(
+                f"loss_fn_config.{key}: unknown key for loss_fn {spec.name!r}; "
+                f"accepted: {', '.join(accepted)}"
+            )
+    if disable and not forward_only:
+        raise UserInputError(
+            f"loss_fn_config.{DISABLE_LORA}: only allowed with forward_only (it computes "
+            "reference logprobs of the base model, which has no trainable parameters)"
+        )
+    if "clip_low_threshold" in cfg:
+        lo, hi = _clip(cfg)
+        if lo < 0 or hi < lo:
+            raise UserInputError(
+                f"loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold "
+                f"(got {lo}, {hi})"
+            )
+    if spec.name == "dro" and cfg["beta"] < 0:
+        raise UserInputError(f"loss_fn_config.beta: {cfg['beta']} must be >= 0")
+    if spec.name == "dpo":
+        if cfg["beta"] <= 0:
+            raise UserInputError(f"loss_fn_config.beta: {cfg['beta']} must be > 0")
+        if cfg["sft_weight"] < 0:
+            raise UserInputError(f"loss_fn_config.sft_weight: {cfg['sft_weight']} must be >= 0")
+    return cfg, disable
+
+
+# ----------------------------------------------------------------------------------- metrics
+
+
+class MetricSums:
+    """Partial metrics of one request, merged across micro-batches: ``name → (sum, count)``;
+    ``:mean`` metrics reduce to sum / count, every other reduction to the sum."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[float]] = {"loss:sum": [0.0, 0]}
+
+    def add(self, name: str, total: float, count: int = 1) -> None:
+        part = self.parts.setdefault(name, [0.0, 0])
+        part[0] += float(total)
+        part[1] += int(count)
+
+    def result(self) -> dict[str, float]:
+        return {k: (s / c if k.endswith(":mean") and c else s) for k, (s, c) in self.parts.items()}
+
+
+# ----------------------------------------------------------------------------------- one request
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().astype(np.float32)
+
+
+def request_loss(
+    req: Request,
+    idx: Sequence[int],
+    lps: Sequence[torch.Tensor],
+    refs: Sequence[torch.Tensor | None],
+    outputs: list[dict[str, np.ndarray]],
+    metrics: MetricSums,
+    device: torch.device,
+) -> torch.Tensor:
+    """Loss (a sum) of the datums ``idx`` of ``req`` (whole DPO pairs), given their learner
+    logprobs ``lps`` ([N, K] each) and, for DPO rows without ``ref_logprobs``, the base model's
+    logprobs in ``refs``. Writes ``outputs[i]`` for each datum and adds to ``metrics``."""
+    spec, cfg = req.loss, req.config
+    tensors = []
+    for i in idx:
+        d = req.data[i]
+        x = {k: torch.from_numpy(v).to(device) for k, v in d.inputs.items()}
+        x["weights"] = torch.from_numpy(d.weights).to(device)
+        tensors.append(x)
+    if spec.per_token is not None:
+        parts = []
+        for i, lp, x in zip(idx, lps, tensors, strict=True):
+            if not spec.top_k:
+                lp, x["weights"] = lp[:, 0], x["weights"][:, 0]
+            per = spec.per_token(lp, x, cfg)
+            lpo = _f32(lp)
+            outputs[i] = {
+                "logprobs": lpo if req.data[i].two_d or lpo.ndim == 1 else lpo[:, 0].copy(),
+                "elementwise_loss": _f32(per),
+            }
+            parts.append(per.sum())
+        loss = torch.stack(parts).sum()
+    else:  # DPO: (chosen, rejected) pairs
+        seq, ref_seq = [], []
+        for i, lp, x, r in zip(idx, lps, tensors, refs, strict=True):
+            lp, w = lp[:, 0], x["weights"][:, 0]
+            seq.append(sequence_logprob(lp, w))
+            ref_lp = x["ref_logprobs"] if r is None else r
+            ref_seq.append(sequence_logprob(ref_lp.to(lp.dtype), w))
+            outputs[i] = {"logprobs": _f32(lp)}
+        loss, margins = dpo(torch.stack(seq), torch.stack(ref_seq), cfg["beta"], cfg["sft_weight"])
+        pairs = int(margins.numel())
+        metrics.add("dpo_accuracy:mean", float((margins > 0).sum()), pairs)
+        metrics.add("dpo_margin:mean", float(margins.double().sum()), pairs)
+    metrics.add("loss:sum", float(loss.detach()))
+    return loss

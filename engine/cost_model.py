@@ -1,0 +1,135 @@
+"""Start-up measurement: is a fused multi-adapter pass faster than adapters one by one here?
+
+Owns `measure_execution_costs`, which `execution: auto` (engine/config.py) can use to choose
+between running several adapters' ready work as one fused batch (`forward_backward_many`) or one
+adapter after another (`forward_backward` each). The answer depends on the device: on a small CPU
+the fused batch is usually no faster (the GEMMs are already compute-bound, and the per-segment LoRA
+slicing adds work), on a GPU one large batch can fill the device where small ones cannot
+(benchmarks/README.md has the numbers). The measurement uses temporary adapters on synthetic data
+and leaves the backend as it found it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+
+from engine.backends.base import TrainingBackend
+from engine.errors import EngineError
+from engine.protocol import DatumInput, ForwardBackwardInput, LoraSpec
+
+#: prefix of the temporary adapters' ids (never a client's: clients' ids are run ids)
+ADAPTER_PREFIX = "__costmodel-"
+#: fused must be at least this much faster to be chosen (noise margin; ties go to sequential,
+#: which has smaller peak memory and no cross-tenant failure coupling)
+MIN_SPEEDUP = 1.05
+
+
+def _rank(backend: TrainingBackend) -> int:
+    """The largest power of two ≤ min(8, backend.max_lora_rank): a typical small adapter."""
+    limit = max(1, min(8, int(getattr(backend, "max_lora_rank", 8))))
+    return 1 << (limit.bit_length() - 1)
+
+
+def _synthetic_request(rng: np.random.Generator, vocab: int, batch: int, seq_len: int):
+    data = []
+    for _ in range(batch):
+        tokens = rng.integers(0, vocab, seq_len)
+        data.append(
+            DatumInput(
+                tokens=tokens.tolist(),
+                loss_fn_inputs={"target_tokens": np.roll(tokens, -1).astype(np.int64)},
+            )
+        )
+    return ForwardBackwardInput(data=data, loss_fn="cross_entropy")
+
+
+def _synchronizer(backend: TrainingBackend) -> Callable[[], None]:
+    """Waits for queued device work (CUDA launches are asynchronous); a no-op on CPU."""
+    device = getattr(backend, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _check(results) -> None:
+    for r in results:
+        if isinstance(r, EngineError):
+            raise r
+
+
+def measure_execution_costs(
+    backend: TrainingBackend,
+    *,
+    n_adapters: int = 2,
+    batch: int = 2,
+    seq_len: int = 64,
+    repeats: int = 2,
+) -> dict:
+    """Time one fused forward+backward of ``n_adapters`` adapters (``batch`` × ``seq_len`` tokens
+    each, cross-entropy) against the same work run adapter by adapter.
+
+    Returns ``{"fused_s", "sequential_s", "fused_speedup", "choice"}``: the best (minimum) of
+    ``repeats`` timings of each mode after one untimed warm-up of each, ``sequential_s / fused_s``,
+    and ``"fused"`` only if that speedup is at least `MIN_SPEEDUP`, else ``"sequential"``. The
+    temporary adapters (ids starting with `ADAPTER_PREFIX`) and their gradients are deleted
+    afterwards, even on error; no optimizer step is taken.
+    """
+    if n_adapters < 1 or batch < 1 or seq_len < 2 or repeats < 1:
+        raise ValueError("measure_execution_costs: n_adapters, batch, repeats >= 1, seq_len >= 2")
+    vocab = int(backend.vocab_size)
+    max_pos = getattr(backend, "max_positions", None)
+    if isinstance(max_pos, int) and max_pos > 1:
+        seq_len = min(seq_len, max_pos)
+    rng = np.random.default_rng(0)
+    tag = uuid.uuid4().hex[:8]
+    ids = [f"{ADAPTER_PREFIX}{tag}-{i}" for i in range(n_adapters)]
+    items = [(aid, _synthetic_request(rng, vocab, batch, seq_len)) for aid in ids]
+    sync = _synchronizer(backend)
+
+    def fused() -> None:
+        _check(backend.forward_backward_many(items))
+
+    def sequential() -> None:
+        for aid, inp in items:
+            backend.forward_backward(aid, inp)
+
+    def timed(fn: Callable[[], None]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    created: list[str] = []
+    try:
+        for k, aid in enumerate(ids):
+            backend.create_adapter(aid, LoraSpec(rank=_rank(backend), alpha=16.0, seed=k))
+            created.append(aid)
+        fused()  # warm-up: first-call allocations, lazy init, kernel selection
+        sequential()
+        fused_times: list[float] = []
+        seq_times: list[float] = []
+        for r in range(repeats):
+            # Alternate the order so a slow drift of the machine does not favour one mode.
+            order = (fused, sequential) if r % 2 == 0 else (sequential, fused)
+            for fn in order:
+                (fused_times if fn is fused else seq_times).append(timed(fn))
+    finally:
+        # Deleting the adapters drops their parameters, accumulated gradients and optimizers.
+        for aid in created:
+            backend.delete_adapter(aid)
+    fused_s = min(fused_times)
+    sequential_s = min(seq_times)
+    speedup = sequential_s / fused_s if fused_s > 0 else float("inf")
+    return {
+        "fused_s": fused_s,
+        "sequential_s": sequential_s,
+        "fused_speedup": speedup,
+        "choice": "fused" if speedup >= MIN_SPEEDUP else "sequential",
+    }

@@ -1,0 +1,63 @@
+"""Slicing a forward_backward request into token-bounded parts, and merging their outputs.
+
+Exact because every loss is a sum over datums: the gradient of the whole request is the sum of
+the slices' gradients, and `name:sum` metrics add up. `:mean` metrics are weighted by datums per
+slice, as the Tinker SDK does across chunks. DPO pairs (chosen, rejected) stay in one slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.protocol import ForwardBackwardInput, ForwardBackwardOutput
+
+PAIRED_LOSSES = {"dpo"}
+
+
+def datum_tokens(inp: ForwardBackwardInput) -> list[int]:
+    return [max(len(d.tokens), 1) for d in inp.data]
+
+
+def slice_input(
+    inp: ForwardBackwardInput, slice_tokens: int
+) -> list[tuple[ForwardBackwardInput, int]]:
+    """Consecutive parts of at most ``slice_tokens`` tokens (a single longer datum, or pair, is
+    its own part). Returns (part, token cost) pairs; one part means no slicing."""
+    sizes = datum_tokens(inp)
+    total = sum(sizes)
+    if total <= slice_tokens or len(inp.data) <= 1:
+        return [(inp, total)]
+    step = 2 if inp.loss_fn in PAIRED_LOSSES else 1
+    parts: list[tuple[ForwardBackwardInput, int]] = []
+    start, cost = 0, 0
+    for i in range(0, len(inp.data), step):
+        unit = sum(sizes[i : i + step])
+        if cost and cost + unit > slice_tokens:
+            parts.append((replace(inp, data=inp.data[start:i]), cost))
+            start, cost = i, 0
+        cost += unit
+    parts.append((replace(inp, data=inp.data[start:]), cost))
+    return parts
+
+
+def merge_outputs(outs: list[ForwardBackwardOutput]) -> ForwardBackwardOutput:
+    outputs = [o for out in outs for o in out.outputs]
+    counts = [len(out.outputs) for out in outs]
+    metrics: dict[str, float] = {}
+    for key in outs[0].metrics:
+        values = [out.metrics[key] for out in outs if key in out.metrics]
+        reduction = key.rsplit(":", 1)[-1] if ":" in key else "sum"
+        if reduction == "sum":
+            metrics[key] = float(sum(values))
+        elif reduction == "mean":
+            w = [c for out, c in zip(outs, counts, strict=True) if key in out.metrics]
+            metrics[key] = float(
+                sum(v * n for v, n in zip(values, w, strict=True)) / max(sum(w), 1)
+            )
+        elif reduction == "max":
+            metrics[key] = float(max(values))
+        elif reduction == "min":
+            metrics[key] = float(min(values))
+        else:
+            metrics[key] = float(values[0])
+    return ForwardBackwardOutput(outputs=outputs, metrics=metrics)

@@ -1,0 +1,437 @@
+"""MultiLoraTransformersModel: the in-process, upstream-Twinkle style training API."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.backends.lora import adapter_parameters
+from engine.errors import AdapterNotFoundError, UserInputError
+from engine.model import TRAIN_CONFIG_FILE, MultiLoraTransformersModel
+from engine.model_inputs import to_datums
+from engine.protocol import DatumInput
+
+TEXTS = [
+    "User: what is 12 plus 13? Assistant: 25.",
+    "The small model reads every line of the corpus slowly and then it rests.",
+    "def compute_batch(batch, token=None):\n    return batch + token",
+    "User: what is the capital of France? Assistant: The capital of France is Paris.",
+]
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def seqs(tiny_model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return [tok(t)["input_ids"] for t in TEXTS]
+
+
+def hf(seq: list[int], prompt_len: int = 0) -> dict:
+    """HF-style datum; the first ``prompt_len`` labels are ignored (-100)."""
+    return {"input_ids": list(seq), "labels": [-100] * prompt_len + list(seq[prompt_len:])}
+
+
+def new_model(model_dir: Path, **kw) -> MultiLoraTransformersModel:
+    return MultiLoraTransformersModel(model_dir, **kw)
+
+
+def params(m: MultiLoraTransformersModel, name: str = "default") -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in adapter_parameters(m.backend.model, name).items()}
+
+
+def assert_params_close(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], atol=atol, rtol=0)
+
+
+# ----------------------------------------------------------------------------------- training
+
+
+def test_sft_cross_entropy_halves_loss_in_20_steps(tiny_model_dir: Path, seqs) -> None:
+    m = new_model(tiny_model_dir)
+    m.add_adapter_to_model("default", {"r": 8, "lora_alpha": 16, "target_modules": "all"})
+    m.set_loss("CrossEntropyLoss")
+    m.set_optimizer("AdamW", lr=1e-2)
+    batch = [hf(s, prompt_len=3) for s in seqs]
+    first = None
+    for _ in range(20):
+        out = m.forward_backward(batch)
+        first = out["loss"] if first is None else first
+        assert out["num_tokens"] == sum(len(s) - 1 - 2 for s in seqs)  # 3 ignored → 2 fewer targets
+        assert out["loss"] == pytest.approx(out["loss_sum"] / out["num_tokens"])
+        assert m.clip_grad_and_step(max_grad_norm=1.0) > 0
+    final = m.forward_only(batch)["loss"]
+    assert final <= 0.5 * first, (first, final)
+    metrics = m.calculate_metric(is_training=True)
+    assert metrics["step"] == 20 and metrics["num_batches"] == 20 and metrics["lr"] == 1e-2
+    assert metrics["grad_norm"] > 0 and metrics["num_sequences"] == 80
+    assert m.calculate_metric()["num_batches"] == 0  # reset by the previous call
+    assert m.calculate_metric(is_training=False)["loss"] == pytest.approx(final)
+
+
+def test_two_adapters_train_independently(tiny_model_dir: Path, seqs) -> None:
+    configs = {
+        "a": dict(LORA, seed=1),
+        "b": {
+            "r": 8,
+            "alpha": 16,
+            "seed": 2,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        },
+    }
+    data = {"a": [hf(s) for s in seqs[:2]], "b": [hf(s, 2) for s in seqs[2:]]}
+    lrs = {"a": 5e-3, "b": 1e-2}
+
+    def setup(m, name):
+        m.add_adapter_to_model(name, configs[name])
+        m.set_optimizer("AdamW", lr=lrs[name], weight_decay=0.1, adapter_name=name)
+
+    def alone(name):
+        m = new_model(tiny_model_dir)
+        setup(m, name)
+        losses = []
+        for _ in range(4):
+            losses.append(m.forward_backward(data[name], adapter_name=name)["loss_sum"])
+            m.clip_grad_and_step(adapter_name=name)
+        return losses, params(m, name)
+
+    expected = {name: alone(name) for name in configs}
+    m = new_model(tiny_model_dir)
+    for name in configs:
+        setup(m, name)
+    mixed = {"a": [], "b": []}
+    for _ in range(4):
+        mixed["a"].append(m.forward_backward(data["a"], adapter_name="a")["loss_sum"])
+        mixed["b"].append(m.forward_backward(data["b"], adapter_name="b")["loss_sum"])
+        m.clip_grad_and_step(adapter_name="a")  # steps a while b holds a pending gradient
+        m.clip_grad_and_step(adapter_name="b")
+    for name in configs:
+        np.testing.assert_allclose(mixed[name], expected[name][0], rtol=0, atol=1e-6)
+        assert_params_close(params(m, name), expected[name][1])
+    assert m.get_train_configs(adapter_name="b")["lora"]["target_modules"] == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    ]
+
+
+def test_gradient_accumulation_of_half_batches_equals_full_batch(
+    tiny_model_dir: Path, seqs
+) -> None:
+    m = new_model(tiny_model_dir)
+    m.add_adapter_to_model("acc", LORA, gradient_accumulation_steps=2)
+    m.add_adapter_to_model("full", LORA)
+    for name in ("acc", "full"):
+        m.set_optimizer(lr=1e-3, adapter_name=name)
+        m.set_lr_scheduler("linear", warmup_steps=0, total_steps=10, adapter_name=name)
+    batch = [hf(s, 2) for s in seqs]
+    for _ in range(2):  # two optimizer steps, so the second runs on non-zero B as well
+        before = params(m, "acc")
+        m.forward_backward(batch[:2], adapter_name="acc")
+        # upstream loop: clip_grad_and_step after every micro-batch; inside the window it only
+        # counts (no step, zero_grad and lr_step are no-ops), so the gradient survives
+        m.clip_grad_and_step(max_grad_norm=0.5, adapter_name="acc")
+        assert_params_close(params(m, "acc"), before, atol=0)
+        assert m.get_train_configs(adapter_name="acc")["lr_scheduler_position"] == _ + 0
+        m.forward_backward(batch[2:], adapter_name="acc")
+        m.clip_grad_and_step(max_grad_norm=0.5, adapter_name="acc")
+        m.forward_backward(batch, adapter_name="full")
+        m.clip_grad_and_step(max_grad_norm=0.5, adapter_name="full")
+        assert_params_close(params(m, "acc"), params(m, "full"))
+    for name in ("acc", "full"):
+        cfg = m.get_train_configs(adapter_name=name)
+        assert cfg["optimizer_steps"] == 2 and cfg["lr_scheduler_position"] == 2
+    # plain step(): only every second call applies the optimizer
+    m.forward_backward(batch[:2], adapter_name="acc")
+    assert m.step(adapter_name="acc") is None
+    m.forward_backward(batch[2:], adapter_name="acc")
+    assert m.step(adapter_name="acc")["step"] == 3
+
+
+def test_zero_grad_drops_the_accumulated_gradient(tiny_model_dir: Path, seqs) -> None:
+    m = new_model(tiny_model_dir)
+    m.add_adapter_to_model("x", LORA)
+    m.add_adapter_to_model("y", LORA)
+    m.forward_backward([hf(seqs[0])], adapter_name="x")  # dropped below
+    m.zero_grad(adapter_name="x")
+    assert m.clip_grad_norm(adapter_name="x") == 0.0
+    with pytest.raises(UserInputError, match="no gradient"):
+        m.step(adapter_name="x")
+    for name in ("x", "y"):
+        m.forward_backward([hf(seqs[1])], adapter_name=name)
+        m.step(adapter_name=name)
+    assert_params_close(params(m, "x"), params(m, "y"))
+
+
+def test_two_phase_forward_calculate_loss_backward(tiny_model_dir: Path, seqs) -> None:
+    m = new_model(tiny_model_dir)
+    m.add_adapter_to_model("p", LORA)
+    m.add_adapter_to_model("q", LORA)
+    batch = [hf(s, 1) for s in seqs[:2]]
+    fwd = m.forward(batch, adapter_name="p")
+    loss = m.calculate_loss(adapter_name="p")
+    m.backward(adapter_name="p")
+    with pytest.raises(UserInputError, match="call forward first"):
+        m.backward(adapter_name="p")
+    ref = m.forward_backward(batch, adapter_name="q")
+    assert loss == fwd["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+    m.step(adapter_name="p")
+    m.step(adapter_name="q")
+    assert_params_close(params(m, "p"), params(m, "q"))
+
+
+# ----------------------------------------------------------------------------------- schedules
+
+
+def test_linear_scheduler_sets_the_lr_of_each_step(tiny_model_dir: Path, seqs) -> None:
+    m = new_model(tiny_model_dir)
+    m.add_adapter_to_model("default", LORA)
+    m.set_optimizer("AdamW", lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+    m.set_lr_scheduler("linear", warmup_steps=2, num_training_steps=6)
+    expected = [0.0, 0.005, 0.01, 0.0075, 0.005, 0.0025, 0.0, 0.0]
+    seen = []
+    for i, lr in enumerate(expected):
+        assert m.get_train_configs()["current_lr"] == pytest.approx(lr, abs=1e-15)
+        before = params(m)
+        m.forward_backward([hf(seqs[0])])
+        out = m.step()
+        seen.append(out["learning_rate"])
+        if lr == 0.0:  # weight decay 0 and lr 0: AdamW leaves the weights alone
+            assert_params_close(params(m), before, atol=0)
+        elif i == 1:
+            key = next(k for k in before if k.endswith("lora_B.weight"))
+            assert not torch.equal(params(m)[key], before[key])
+        m.lr_step()
+    assert seen == pytest.approx(expected, abs=1e-15)
+    m.set_lr_scheduler("cosine", warmup_steps=0, total_steps=4, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(6):
+        lrs.append(m.get_train_configs()["current_lr"])
+        m.lr_step()
+    cos = [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 4) / 4)) for t in range(6)]
+    assert lrs == pytest.approx([1e-2 * c for c in cos])
+    m.set_lr_scheduler(lambda t: 0.5**t)
+    m.lr_step()
+    m.lr_step()
+    assert m.get_train_configs()["current_lr"] == pytest.approx(1e-2 / 4)
+
+
+# ----------------------------------------------------------------------------------- checkpoints
+
+
+def test_save_load_with_optimizer_continues_exact_trajectory(
+    tiny_model_dir, seqs, tmp_path
+) -> None:
+    batch = [hf(s, 2) for s in seqs]
+
+    def train(m, n, name="default"):
+        out = []
+        for _ in range(n):
+            out.append(m.forward_backward(batch, adapter_name=name)["loss"])
+            m.clip_grad_and_step(max_grad_norm=1.0, adapter_name=name)
+        return out
+
+    m = new_model(tiny_model_dir, data_dir=tmp_path / "data")
+    m.add_adapter_to_model("default", LORA, gradient_accumulation_steps=1)
+    m.set_optimizer("AdamW", lr=5e-3, weight_decay=0.01)
+    m.set_lr_scheduler("cosine", warmup_steps=1, total_steps=8, min_lr_ratio=0.1)
+    m.set_loss("cross_entropy")
+    train(m, 3)
+    path = Path(m.save("step3", save_optimizer=True))
+    assert path == tmp_path / "data" / "local_checkpoints" / "default" / "step3"
+    assert (path / "adapter_model.safetensors").is_file() and (
+        path / "adapter_config.json"
+    ).is_file()
+    assert json.loads((path / TRAIN_CONFIG_FILE).read_text())["lr_scheduler_position"] == 3
+    expected = train(m, 3)
+
+    other = new_model(tiny_model_dir)
+    other.load(str(path), adapter_name="resumed", load_optimizer=True)  # creates the adapter
+    assert other.get_train_configs(adapter_name="resumed")["optimizer"]["lr"] == 5e-3
+    np.testing.assert_allclose(train(other, 3, "resumed"), expected, rtol=0, atol=1e-6)
+    assert_params_close(params(other, "resumed"), params(m))
+
+    # weights only: same weights, fresh optimizer and schedule position
+    other.load("step3", tmp_path / "data" / "local_checkpoints" / "default", adapter_name="resumed")
+    cfg = other.get_train_configs(adapter_name="resumed")
+    assert cfg["lr_scheduler_position"] == 0 and cfg["optimizer_steps"] == 0
+    p = Path(m.save("out", output_dir=tmp_path / "explicit"))
+    assert p == tmp_path / "explicit" / "out" and (p / "adapter_config.json").is_file()
+
+
+# ----------------------------------------------------------------------------------- inputs & errors
+
+
+def test_hf_labels_minus_100_give_zero_weights() -> None:
+    (d,) = to_datums([{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, -100, 9]}])
+    assert d.tokens == [5, 6, 7, 8]
+    assert d.loss_fn_inputs["target_tokens"].tolist() == [6, 7, 8, 9]  # ignored → next input id
+    assert d.loss_fn_inputs["weights"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    # padding (attention_mask 0) is dropped; a batched dict is split per row; scalar advantages
+    # are broadcast over the trained positions; per-token arrays are shifted like the labels
+    rows = to_datums(
+        {
+            "input_ids": [[1, 2, 3, 0], [4, 5, 6, 7]],
+            "labels": [[-100, 2, 3, -100], [4, 5, 6, 7]],
+            "attention_mask": [[1, 1, 1, 0], [1, 1, 1, 1]],
+            "advantages": [2.0, -1.0],
+            "logprobs": [[0, -1, -2, 0], [0, -3, -4, -5]],
+        }
+    )
+    assert [r.tokens for r in rows] == [[1, 2], [4, 5, 6]]
+    assert rows[0].loss_fn_inputs["weights"].tolist() == [1.0, 1.0]
+    assert rows[0].loss_fn_inputs["advantages"].tolist() == [2.0, 2.0]
+    assert rows[1].loss_fn_inputs["logprobs"].tolist() == [-3, -4, -5]
+    tinker = to_datums({"model_input": [1, 2], "target_tokens": [2, 3]})[0]
+    assert tinker.loss_fn_inputs["weights"].tolist() == [1.0, 1.0]
+    with pytest.raises(UserInputError, match="set_template"):
+        to_datums([{"messages": [{"role": "user", "content": "hi"}]}])
+
+
+def test_hf_and_tinker_inputs_give_the_same_loss(tiny_model_dir: Path, seqs) -> None:
+    m = new_model(tiny_model_dir)
+    m.add_adapter_to_model("default", LORA)
+    s = seqs[0]
+    w = np.array([0.0] * 2 + [1.0] * (len(s) - 3), np.float32)
+    tinker = {"model_input": s[:-1], "target_tokens": s[1:], "weights": w}
+    datum = DatumInput(
+        tokens=s[:-1], loss_fn_inputs={"target_tokens": np.array(s[1:]), "weights": w}
+    )
+    a, b, c = (m.forward_only([x])["loss_sum"] for x in (hf(s, 3), tinker, datum))
+    assert a == b == c
+    out = m.forward_only([hf(s, 3)])
+    assert out["num_tokens"] == len(s) - 3 and out["loss"] == pytest.approx(a / (len(s) - 3))
+    assert out["logprobs"][0].shape == (len(s) - 1,)
+
+
+def test_bad_names_raise_user_input_error_naming_them(tiny_model_dir: Path) -> None:
+    m = new_model(tiny_model_dir)
+    with pytest.raises(UserInputError, match="embed_tokens"):
+        m.add_adapter_to_model("default", {"r": 4, "target_modules": ["q_proj", "embed_tokens"]})
+    with pytest.raises(AdapterNotFoundError, match="default"):
+        m.set_loss("cross_entropy")
+    m.add_adapter_to_model("default", {"r": 4})
+    with pytest.raises(UserInputError, match="FocalLoss.*cross_entropy"):
+        m.set_loss("FocalLoss")
+
+    class KLDivLoss:
+        pass
+
+    with pytest.raises(UserInputError, match="KLDivLoss"):
+        m.set_loss(KLDivLoss)
+    with pytest.raises(UserInputError, match="SGD"):
+        m.set_optimizer("SGD", lr=0.1)
+    with pytest.raises(UserInputError, match="SGD"):
+        m.set_optimizer(torch.optim.SGD)
+    with pytest.raises(UserInputError, match="amsgrad"):
+        m.set_optimizer("AdamW", amsgrad=True)
+    with pytest.raises(UserInputError, match="lr"):
+        m.set_optimizer("AdamW", lr=-1.0)
+    with pytest.raises(UserInputError, match="'step'"):
+        m.set_lr_scheduler("step", step_size=3)
+    with pytest.raises(UserInputError, match="total_steps"):
+        m.set_lr_scheduler("linear", warmup_steps=3)
+    with pytest.raises(UserInputError, match="use_dora"):
+        m.add_adapter_to_model("dora", {"r": 4, "use_dora": True})
+    with pytest.raises(UserInputError, match="exists"):
+        m.add_adapter_to_model("default", {"r": 4})
+    with pytest.raises(UserInputError, match="model_id"):
+        MultiLoraTransformersModel("no/such-model", data_dir=tiny_model_dir.parent)
+
+
+def test_lora_configs_and_loss_mapping(tiny_model_dir: Path) -> None:
+    from peft import LoraConfig
+
+    m = new_model(tiny_model_dir, max_lora_rank=8)
+    m.add_adapter_to_model(
+        "peft",
+        LoraConfig(
+            r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj", "lm_head"]
+        ),
+    )
+    spec = m.backend.adapter_spec("peft")
+    assert (spec.rank, spec.alpha, spec.train_attn, spec.train_mlp, spec.train_unembed) == (
+        8,
+        16.0,
+        False,
+        True,
+        True,
+    )
+    with pytest.warns(UserWarning, match="k_proj"):
+        m.add_adapter_to_model("qv", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(UserInputError, match="max LoRA rank"):
+        m.add_adapter_to_model("big", {"r": 16})
+    m.set_loss("GRPOLoss", epsilon=0.2, adapter_name="peft")
+    loss = m.get_train_configs(adapter_name="peft")["loss"]
+    assert loss["loss_fn"] == "ppo"
+    assert loss["config"] == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    m.set_loss(torch.nn.CrossEntropyLoss(), adapter_name="peft")
+    assert m.get_train_configs(adapter_name="peft")["loss"]["loss_fn"] == "cross_entropy"
+    m.set_loss("DPOLoss", beta=0.2, adapter_name="peft")
+    assert m.get_train_configs(adapter_name="peft")["loss"]["config"] == {"beta": 0.2}
+    with pytest.raises(UserInputError, match="beta"):
+        m.set_loss("GRPOLoss", beta=0.04, adapter_name="peft")
+
+
+# ----------------------------------------------------------------------------------- other losses
+# The backend gains these losses separately; each test runs once the backend knows the loss and
+# is reported as skipped (with the reason) while it answers "unknown loss_fn".
+
+
+def _run_or_skip(m, loss, batch, **kw):
+    m.set_loss(loss, **kw)
+    try:
+        return m.forward_backward(batch)
+    except UserInputError as e:
+        if "unknown loss_fn" in str(e):
+            pytest.skip(f"backend has no {loss!r} loss yet: {e}")
+        raise
+
+
+@pytest.mark.parametrize(
+    "loss,kw",
+    [
+        ("importance_sampling", {}),
+        ("ppo", {}),
+        ("GRPOLoss", {"epsilon": 0.2}),
+        ("cispo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+        ("dro", {"beta": 0.05}),
+    ],
+)
+def test_policy_gradient_losses(tiny_model_dir: Path, seqs, loss, kw) -> None:
+    m = new_model(tiny_model_dir)
+    m.add_adapter_to_model("default", LORA)
+    plain = [hf(s, 3) for s in seqs[:2]]
+    sampled = m.forward_only(plain)["logprobs"]
+    batch = [
+        dict(d, logprobs=np.concatenate([[0.0], lp]), advantages=adv)  # HF-aligned logprobs
+        for d, lp, adv in zip(plain, sampled, (1.0, -0.5))
+    ]
+    out = _run_or_skip(m, loss, batch, **kw)
+    assert math.isfinite(out["loss"]) and out["loss"] == out["loss_sum"]
+    assert m.step()["grad_norm"] > 0
+
+
+def test_dpo_loss(tiny_model_dir: Path, seqs) -> None:
+    m = new_model(tiny_model_dir)
+    m.add_adapter_to_model("default", LORA)
+    pairs = [
+        hf(seqs[0], 3),
+        hf(seqs[1], 3),
+        hf(seqs[3], 3),
+        hf(seqs[2], 3),
+    ]  # chosen, rejected, ...
+    ref = m.forward_only(pairs)["logprobs"]
+    batch = [dict(d, ref_logprobs=lp) for d, lp in zip(pairs, ref)]  # already [N]: not shifted
+    out = _run_or_skip(m, "DPOLoss", batch, beta=0.1)
+    assert math.isfinite(out["loss"])
+    assert m.step()["grad_norm"] > 0
