@@ -2,9 +2,9 @@
 
 Usage (from the repository root):
 
-    .venv/bin/python benchmarks/multi_tenant.py                      # tiny + medium, 1/4/8 tenants
-    .venv/bin/python benchmarks/multi_tenant.py --quick              # tiny only, 1/4 tenants, 2 steps
-    .venv/bin/python benchmarks/multi_tenant.py --models medium --tenants 8 --steps 5 --json out.json
+    .venv/bin/python benchmarks/multi_tenant.py            # tiny + medium, 1/4/8 tenants
+    .venv/bin/python benchmarks/multi_tenant.py --quick    # tiny only, 1/4 tenants, 2 steps
+    .venv/bin/python benchmarks/multi_tenant.py --models medium --tenants 8 --json out.json
 
 Every tenant owns one rank-8 LoRA adapter on all targets (q/k/v/o, gate/up/down, lm_head) and, per
 step, trains on a batch of B sequences × T tokens with a summed cross-entropy, then takes one AdamW
@@ -19,8 +19,8 @@ step. One *step* = every tenant does forward_backward + optim_step. Modes:
 * ``bare-torch`` - a plain single-tenant peft training loop (train mode, one adapter, one AdamW),
                    run once per tenant one after the other: the floor any system is compared with.
 
-Reported per (model, tenants, mode): aggregate tokens/s (tenants × B × T per step / mean step time),
-per-tenant step latency p50/p95 (fused and peft-mixed: every tenant waits for the whole step;
+Reported per (model, tenants, mode): aggregate tokens/s (tenants × B × T per step / mean step
+time), per-tenant step latency p50/p95 (fused and peft-mixed: every tenant waits for the whole step;
 sequential and bare-torch: time from the start of the step until that tenant's optimizer step
 finished), and tokens/s relative to ``sequential`` and to ``bare-torch``. Runs on CUDA if available.
 """
@@ -45,22 +45,31 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from engine.backends.transformers_backend import TransformersTrainingBackend  # noqa: E402
-from engine.errors import EngineError  # noqa: E402
-from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec  # noqa: E402
+from engine.backends.transformers_backend import TransformersTrainingBackend
+from engine.errors import EngineError
+from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec
 
 MODES = ("fused", "sequential", "peft-mixed", "bare-torch")
 RANK = 8
 ALPHA = 16.0
 LR = 1e-4
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+LORA_TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+]
 #: per model: default (B sequences, T tokens) per tenant per step
 DEFAULT_SHAPE = {"tiny": (8, 128), "medium": (2, 128)}
 MEDIUM_DIR_NAME = "medium-qwen2-h512-l8-v2048-seed0"
@@ -71,7 +80,11 @@ MEDIUM_DIR_NAME = "medium-qwen2-h512-l8-v2048-seed0"
 
 def cache_root() -> Path:
     base = os.environ.get("TWINKLE_DATA_DIR")
-    return Path(base) / "bench-models" if base else Path(tempfile.gettempdir()) / "twinkle-bench-models"
+    return (
+        Path(base) / "bench-models"
+        if base
+        else Path(tempfile.gettempdir()) / "twinkle-bench-models"
+    )
 
 
 def _atomic_build(out_dir: Path, fill: Callable[[Path], None]) -> Path:
@@ -171,7 +184,9 @@ def make_batches(
             ids, tgt = seq[:, :-1], seq[:, 1:]
             req = ForwardBackwardInput(
                 data=[
-                    DatumInput(tokens=ids[i].tolist(), loss_fn_inputs={"target_tokens": tgt[i].copy()})
+                    DatumInput(
+                        tokens=ids[i].tolist(), loss_fn_inputs={"target_tokens": tgt[i].copy()}
+                    )
                     for i in range(b)
                 ],
                 loss_fn="cross_entropy",
@@ -335,8 +350,14 @@ def run_mode(step: StepFn, batches: list[list[TenantBatch]], tokens_per_step: in
 
 
 def bench_model(
-    name: str, tenants_list: list[int], modes: list[str], steps: int, b: int, t: int,
-    device: torch.device, log,
+    name: str,
+    tenants_list: list[int],
+    modes: list[str],
+    steps: int,
+    b: int,
+    t: int,
+    device: torch.device,
+    log,
 ) -> list[Row]:
     path = model_dir(name)
     sync = make_sync(device)
@@ -364,8 +385,10 @@ def bench_model(
                 gc.collect()
             p50, p95 = (float(np.percentile(lat, q)) for q in (50, 95))
             rows.append(Row(name, tenants, mode, b, t, steps, tps, mean, p50, p95, times))
-            log(f"  {name:6} tenants={tenants:<2} {mode:11} {tps:10.0f} tok/s  "
-                f"step {mean:.3f}s  p50 {p50:.3f}s p95 {p95:.3f}s")
+            log(
+                f"  {name:6} tenants={tenants:<2} {mode:11} {tps:10.0f} tok/s  "
+                f"step {mean:.3f}s  p50 {p50:.3f}s p95 {p95:.3f}s"
+            )
         by_mode = {r.mode: r for r in rows if r.tenants == tenants}
         for r in by_mode.values():
             if "sequential" in by_mode:
@@ -378,26 +401,54 @@ def bench_model(
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ["model", "tenants", "B×T", "mode", "tokens/s", "step s", "p50 lat s", "p95 lat s",
-            "vs sequential", "vs bare-torch"]
-    ratio = lambda v: "—" if v is None else f"{v:.2f}×"  # noqa: E731
+    head = [
+        "model",
+        "tenants",
+        "B×T",
+        "mode",
+        "tokens/s",
+        "step s",
+        "p50 lat s",
+        "p95 lat s",
+        "vs sequential",
+        "vs bare-torch",
+    ]
+    ratio = lambda v: "—" if v is None else f"{v:.2f}×"
     body = [
-        [r.model, str(r.tenants), f"{r.batch}×{r.seq_len}", r.mode, f"{r.tokens_per_s:,.0f}",
-         f"{r.step_s_mean:.3f}", f"{r.latency_p50_s:.3f}", f"{r.latency_p95_s:.3f}",
-         ratio(r.vs_sequential), ratio(r.vs_bare_torch)]
+        [
+            r.model,
+            str(r.tenants),
+            f"{r.batch}×{r.seq_len}",
+            r.mode,
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.step_s_mean:.3f}",
+            f"{r.latency_p50_s:.3f}",
+            f"{r.latency_p95_s:.3f}",
+            ratio(r.vs_sequential),
+            ratio(r.vs_bare_torch),
+        ]
         for r in rows
     ]
     right = {1, 4, 5, 6, 7, 8, 9}
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
 
     def line(cells: list[str]) -> str:
-        return "| " + " | ".join(
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        ) + " |"
+        return (
+            "| "
+            + " | ".join(
+                c.rjust(w) if i in right else c.ljust(w)
+                for i, (c, w) in enumerate(zip(cells, widths))
+            )
+            + " |"
+        )
 
-    sep = "|" + "|".join(
-        ("-" * (w + 1) + ":") if i in right else ("-" * (w + 2)) for i, w in enumerate(widths)
-    ) + "|"
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if i in right else ("-" * (w + 2)) for i, w in enumerate(widths)
+        )
+        + "|"
+    )
     return "\n".join([line(head), sep, *(line(row) for row in body)])
 
 
@@ -424,9 +475,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="tiny,medium", help="comma-separated: tiny, medium")
     p.add_argument("--tenants", default="1,4,8", help="comma-separated tenant counts")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after 1 warm-up)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
-    p.add_argument("--batch", type=int, default=None, help="sequences per tenant per step "
-                   "(default: 8 for tiny, 2 for medium)")
+    p.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES)
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="sequences per tenant per step (default: 8 for tiny, 2 for medium)",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--quick", action="store_true", help="tiny only, tenants 1,4, 2 steps")
@@ -445,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     _quiet_libraries()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    started = _dt.datetime.now(_dt.timezone.utc)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    started = _dt.datetime.now(_dt.UTC)
     meta = {
         "date": started.isoformat(timespec="seconds"),
         "device": device_name(device),
@@ -456,20 +513,25 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args),
     }
     print(f"device: {meta['device']}")
-    print(f"torch {torch.__version__}, load average before: "
-          + ", ".join(f"{x:.2f}" for x in meta["load_avg_before"]))
+    print(
+        f"torch {torch.__version__}, load average before: "
+        + ", ".join(f"{x:.2f}" for x in meta["load_avg_before"])
+    )
     rows: list[Row] = []
     t_start = time.perf_counter()
     for m in models:
         b0, t0 = DEFAULT_SHAPE.get(m, (2, 128))
-        rows += bench_model(m, tenants, modes, args.steps, args.batch or b0, args.seq_len or t0,
-                            device, log)
+        rows += bench_model(
+            m, tenants, modes, args.steps, args.batch or b0, args.seq_len or t0, device, log
+        )
     meta["wall_s"] = time.perf_counter() - t_start
     meta["load_avg_after"] = os.getloadavg()
     print()
     print(format_table(rows))
-    print(f"\n{args.steps} timed steps per mode after 1 warm-up; wall time {meta['wall_s']:.0f} s; "
-          "load average after: " + ", ".join(f"{x:.2f}" for x in meta["load_avg_after"]))
+    print(
+        f"\n{args.steps} timed steps per mode after 1 warm-up; wall time {meta['wall_s']:.0f} s; "
+        "load average after: " + ", ".join(f"{x:.2f}" for x in meta["load_avg_after"])
+    )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n"

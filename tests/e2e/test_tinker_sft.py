@@ -123,3 +123,34 @@ def test_named_sampler_weights_and_checkpoint_listing(server, api_key, service):
     assert tc.model_id in [r.training_run_id for r in runs.training_runs]
     rest.delete_checkpoint_from_tinker_path(path).result()
     assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro"])
+def test_rl_losses_through_the_sdk(service, loss_fn):
+    """An RL step built from sampled completions: sample, then train on them with the sampler's
+    logprobs and advantages."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = SEQS[3][:4]
+    res = sampler.sample(types.ModelInput.from_ints(prompt), 4,
+                         types.SamplingParams(max_tokens=5, temperature=1.0, seed=1)).result()
+    data = []
+    for i, seq in enumerate(res.sequences):
+        toks = prompt + seq.tokens
+        n_prompt = len(prompt) - 1
+        adv = 1.0 if i % 2 == 0 else -1.0
+        data.append(types.Datum(
+            model_input=types.ModelInput.from_ints(toks[:-1]),
+            loss_fn_inputs={
+                "target_tokens": toks[1:],
+                "logprobs": [0.0] * n_prompt + list(seq.logprobs),
+                "advantages": [0.0] * n_prompt + [adv] * len(seq.tokens),
+            }))
+    out = tc.forward_backward(data, loss_fn).result()
+    assert math.isfinite(out.metrics["loss:sum"])
+    # the learner's logprobs of the sampled tokens equal the sampler's (same weights, B = 0)
+    for d, seq in zip(out.loss_fn_outputs, res.sequences, strict=True):
+        lp = d["logprobs"].tolist()[-len(seq.tokens):]
+        np.testing.assert_allclose(lp, seq.logprobs, atol=1e-4)
+    step = tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert step.metrics["grad_norm"] > 0

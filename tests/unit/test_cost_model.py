@@ -40,7 +40,9 @@ def test_returns_sane_numbers_and_a_choice(backend):
 def test_leaves_no_adapter_and_does_not_touch_existing_ones(backend):
     backend.create_adapter("tenant", LoraSpec(rank=4, seed=3))
     try:
-        before = {k: p.detach().clone() for k, p in adapter_parameters(backend.model, "tenant").items()}
+        before = {
+            k: p.detach().clone() for k, p in adapter_parameters(backend.model, "tenant").items()
+        }
         ids_before = _adapter_ids_in_model(backend)
         measure_execution_costs(backend, n_adapters=3, batch=1, seq_len=16, repeats=1)
         assert _adapter_ids_in_model(backend) == ids_before == {"tenant"}
