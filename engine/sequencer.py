@@ -65,7 +65,9 @@ class Sequencer:
                     if head and remaining <= 0:
                         log.warning(
                             "model %s: seq_id %d never arrived; skipping to %d",
-                            model_id, self._next[model_id], seq_id,
+                            model_id,
+                            self._next[model_id],
+                            seq_id,
                         )
                         self._next[model_id] = seq_id
                         break

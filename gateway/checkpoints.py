@@ -20,7 +20,11 @@ from sqlmodel import Session, select
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.tables import CheckpointRow, utcnow
 
-KIND_SEGMENTS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+KIND_SEGMENTS = {
+    "weights": "training",
+    "sampler_weights": "sampler",
+    "external_weights": "external",
+}
 SEGMENT_OF_KIND = {v: k for k, v in KIND_SEGMENTS.items()}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SCHEMES = ("tinker://", "twinkle://")

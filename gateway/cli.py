@@ -9,7 +9,9 @@ import sys
 def _models_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="twinkle models")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    build = sub.add_parser("build-tiny", help="build the offline tiny chat model (twinkle/tiny-chat)")
+    build = sub.add_parser(
+        "build-tiny", help="build the offline tiny chat model (twinkle/tiny-chat)"
+    )
     build.add_argument("--out", help="output folder (default: $TWINKLE_DATA_DIR/models/tiny-chat)")
     build.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -73,8 +73,11 @@ class FutureStore:
         """Create a future and start ``run`` in the background."""
         self._expire()
         rec = FutureRecord(
-            request_id=f"req-{uuid.uuid4().hex}", user_id=user_id, kind=kind,
-            idem_key=idem_key, extra=extra or {},
+            request_id=f"req-{uuid.uuid4().hex}",
+            user_id=user_id,
+            kind=kind,
+            idem_key=idem_key,
+            extra=extra or {},
         )
         self._futures[rec.request_id] = rec
         if idem_key is not None:
@@ -117,7 +120,8 @@ class FutureStore:
     def _expire(self) -> None:
         now = time.monotonic()
         stale = [
-            rid for rid, r in self._futures.items()
+            rid
+            for rid, r in self._futures.items()
             if r.finished_at is not None and now - r.finished_at > RESULT_TTL_S
         ]
         for rid in stale:

@@ -53,11 +53,15 @@ class Gateway:
     def __serve_build_asgi_app__(self):
         from gateway.main import create_app
 
-        return create_app(self._settings, self._config, EngineClient(self._engines, ray_handles=True))
+        return create_app(
+            self._settings, self._config, EngineClient(self._engines, ray_handles=True)
+        )
 
 
 def serve_main(config_path: str | None, host: str | None, port: int | None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     _prepare_env()
     config = ServerConfig.from_yaml(config_path) if config_path else ServerConfig()
     if host is not None:
@@ -104,7 +108,8 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         app = Gateway.bind(
-            settings.model_dump(mode="json"), config.model_dump(mode="json"),
+            settings.model_dump(mode="json"),
+            config.model_dump(mode="json"),
             engine_apps(config, str(settings.data_dir)),
         )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

@@ -31,7 +31,9 @@ class TwinkleClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(
-            base_url=self.base_url, headers={"X-API-Key": api_key}, timeout=timeout,
+            base_url=self.base_url,
+            headers={"X-API-Key": api_key},
+            timeout=timeout,
             transport=transport,
         )
 
@@ -71,7 +73,9 @@ class TwinkleClient:
         self.close()
 
 
-def init_twinkle_client(base_url: str | None = None, api_key: str | None = None, **kw: Any) -> TwinkleClient:
+def init_twinkle_client(
+    base_url: str | None = None, api_key: str | None = None, **kw: Any
+) -> TwinkleClient:
     """A client for ``base_url`` (default ``$TWINKLE_SERVER_URL``) with ``api_key`` (default
     ``$TWINKLE_SERVER_TOKEN``)."""
     url = base_url or os.environ.get("TWINKLE_SERVER_URL")

@@ -15,8 +15,12 @@ router = APIRouter(prefix="/api/v1")
 
 @router.post("/retrieve_future", response_model=None)
 async def retrieve_future(
-    req: RetrieveFutureRequest, request: Request, who: PrincipalDep, futures: FuturesDep,
-    config: ConfigDep, engine: EngineDep,
+    req: RetrieveFutureRequest,
+    request: Request,
+    who: PrincipalDep,
+    futures: FuturesDep,
+    config: ConfigDep,
+    engine: EngineDep,
 ) -> Response | dict:
     rec = futures.get(req.request_id, who.user_id)
     if rec is None:

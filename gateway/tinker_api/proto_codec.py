@@ -45,13 +45,13 @@ def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     raw = msg.dense
     itemsize = np.dtype(dtype).itemsize
     if len(raw) % itemsize:
-        raise InvalidRequestError(f"{where}: byte length {len(raw)} is not a multiple of {itemsize}")
+        raise InvalidRequestError(
+            f"{where}: byte length {len(raw)} is not a multiple of {itemsize}"
+        )
     arr = np.frombuffer(raw, dtype=dtype).copy()
     if shape:
         if math.prod(shape) != arr.size:
-            raise InvalidRequestError(
-                f"{where}: shape {shape} does not match {arr.size} elements"
-            )
+            raise InvalidRequestError(f"{where}: shape {shape} does not match {arr.size} elements")
         arr = arr.reshape(shape)
     if dtype is np.int32:
         arr = arr.astype(np.int64)
@@ -64,7 +64,9 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackwardInput
     try:
         msg.ParseFromString(body)
     except Exception:
-        raise InvalidRequestError("body: not a valid tinker_public.ForwardBackwardRequest") from None
+        raise InvalidRequestError(
+            "body: not a valid tinker_public.ForwardBackwardRequest"
+        ) from None
     if not msg.model_id:
         raise InvalidRequestError("model_id: required")
     if not msg.data:
@@ -81,7 +83,8 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackwardInput
                 )
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
         inputs = {
-            name: _tensor(t, f"data[{i}].loss_fn_inputs.{name}") for name, t in d.loss_fn_inputs.items()
+            name: _tensor(t, f"data[{i}].loss_fn_inputs.{name}")
+            for name, t in d.loss_fn_inputs.items()
         }
         data.append(DatumInput(tokens=tokens, loss_fn_inputs=inputs))
     config: dict[str, float | str] = dict(msg.loss_fn_config)
@@ -89,7 +92,9 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackwardInput
         which = val.WhichOneof("value")
         config[key] = val.number if which == "number" else val.text
     inp = ForwardBackwardInput(
-        data=data, loss_fn=msg.loss_fn or "cross_entropy", loss_fn_config=config,
+        data=data,
+        loss_fn=msg.loss_fn or "cross_entropy",
+        loss_fn_config=config,
         forward_only=msg.forward_only,
     )
     return msg.model_id, int(msg.seq_id), inp

@@ -36,8 +36,11 @@ def run_json(db, run: TrainingRunRow, owner_name: str) -> dict:
     def last(kind: str) -> dict | None:
         row = db.exec(
             select(CheckpointRow)
-            .where(CheckpointRow.run_id == run.id, CheckpointRow.kind == kind,
-                   CheckpointRow.ephemeral == False)  # noqa: E712
+            .where(
+                CheckpointRow.run_id == run.id,
+                CheckpointRow.kind == kind,
+                CheckpointRow.ephemeral == False,
+            )  # noqa: E712
             .order_by(col(CheckpointRow.created_at).desc())
         ).first()
         return checkpoint_json(row) if row else None
@@ -58,14 +61,20 @@ def run_json(db, run: TrainingRunRow, owner_name: str) -> dict:
 
 @router.get("/training_runs")
 async def list_training_runs(
-    who: PrincipalDep, db: DbDep, limit: int = Query(20, ge=1, le=1000),
-    offset: int = Query(0, ge=0), access_scope: str = "owned",
+    who: PrincipalDep,
+    db: DbDep,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+    access_scope: str = "owned",
 ) -> dict:
     where = TrainingRunRow.user_id == who.user_id
     total = db.exec(select(func.count()).select_from(TrainingRunRow).where(where)).one()
     rows = db.exec(
-        select(TrainingRunRow).where(where).order_by(col(TrainingRunRow.created_at).desc())
-        .offset(offset).limit(limit)
+        select(TrainingRunRow)
+        .where(where)
+        .order_by(col(TrainingRunRow.created_at).desc())
+        .offset(offset)
+        .limit(limit)
     ).all()
     return {
         "training_runs": [run_json(db, r, who.user_name) for r in rows],
@@ -93,14 +102,19 @@ async def list_run_checkpoints(run_id: str, who: PrincipalDep, db: DbDep) -> dic
 
 @router.get("/checkpoints")
 async def list_user_checkpoints(
-    who: PrincipalDep, db: DbDep, limit: int = Query(100, ge=1, le=1000),
+    who: PrincipalDep,
+    db: DbDep,
+    limit: int = Query(100, ge=1, le=1000),
     offset: int = Query(0, ge=0),
 ) -> dict:
     where = (CheckpointRow.user_id == who.user_id) & (CheckpointRow.ephemeral == False)  # noqa: E712
     total = db.exec(select(func.count()).select_from(CheckpointRow).where(where)).one()
     rows = db.exec(
-        select(CheckpointRow).where(where).order_by(col(CheckpointRow.created_at).desc())
-        .offset(offset).limit(limit)
+        select(CheckpointRow)
+        .where(where)
+        .order_by(col(CheckpointRow.created_at).desc())
+        .offset(offset)
+        .limit(limit)
     ).all()
     return {
         "checkpoints": [checkpoint_json(r) for r in rows],
@@ -109,10 +123,14 @@ async def list_user_checkpoints(
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def delete_run_checkpoint(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep) -> dict:
+async def delete_run_checkpoint(
+    run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep
+) -> dict:
     owned_run(db, who, run_id)
     parsed = parse_path(f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
-    row = db.exec(select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path)).first()
+    row = db.exec(
+        select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path)
+    ).first()
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"checkpoint_id: checkpoint {checkpoint_id!r} not found")
     delete_checkpoint(db, row)

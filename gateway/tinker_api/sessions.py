@@ -30,7 +30,9 @@ async def healthz(config: ConfigDep, engine: EngineDep) -> dict | JSONResponse:
             await asyncio.wait_for(engine.trainer(m.name, "info"), timeout=5)
             await asyncio.wait_for(engine.sampler(m.name, "info"), timeout=5)
     except Exception as exc:  # not ready yet, or a replica died
-        return JSONResponse({"status": "unavailable", "detail": type(exc).__name__}, status_code=503)
+        return JSONResponse(
+            {"status": "unavailable", "detail": type(exc).__name__}, status_code=503
+        )
     return {"status": "ok"}
 
 
@@ -55,8 +57,12 @@ async def dynamic_config(req: ClientConfigRequest, who: PrincipalDep) -> dict:
 @router.post("/create_session")
 async def create_session(req: CreateSessionRequest, who: PrincipalDep, db: DbDep) -> dict:
     row = SessionRow(
-        id=f"sess-{uuid.uuid4().hex[:16]}", user_id=who.user_id, sdk_version=req.sdk_version,
-        tags=req.tags, user_metadata=req.user_metadata or {}, project_id=req.project_id,
+        id=f"sess-{uuid.uuid4().hex[:16]}",
+        user_id=who.user_id,
+        sdk_version=req.sdk_version,
+        tags=req.tags,
+        user_metadata=req.user_metadata or {},
+        project_id=req.project_id,
         display_name=req.display_name,
     )
     db.add(row)

@@ -34,7 +34,9 @@ class Server:
 
     def create_key(self, user: str, admin: bool = False) -> str:
         cmd = [TWINKLE, "keys", "create", "--user", user] + (["--admin"] if admin else [])
-        out = subprocess.run(cmd, env=self.env, capture_output=True, text=True, check=True, timeout=120)
+        out = subprocess.run(
+            cmd, env=self.env, capture_output=True, text=True, check=True, timeout=120
+        )
         return out.stdout.strip().splitlines()[-1]
 
 
@@ -42,18 +44,29 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory):
     data_dir = tmp_path_factory.mktemp("twinkle-data")
     port = _free_port()
-    env = dict(os.environ, TWINKLE_DATA_DIR=str(data_dir), TINKER_TELEMETRY="0",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(
+        os.environ,
+        TWINKLE_DATA_DIR=str(data_dir),
+        TINKER_TELEMETRY="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
     log = open(data_dir / "serve.log", "w")
     proc = subprocess.Popen(
         [TWINKLE, "serve", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"twinkle serve exited early:\n{(data_dir / 'serve.log').read_text()[-4000:]}")
+            raise RuntimeError(
+                f"twinkle serve exited early:\n{(data_dir / 'serve.log').read_text()[-4000:]}"
+            )
         try:
             if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
                 break
@@ -61,7 +74,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"twinkle serve not ready:\n{(data_dir / 'serve.log').read_text()[-4000:]}")
+            raise RuntimeError(
+                f"twinkle serve not ready:\n{(data_dir / 'serve.log').read_text()[-4000:]}"
+            )
         time.sleep(1)
     srv = Server(url, data_dir, env, proc)
     yield srv

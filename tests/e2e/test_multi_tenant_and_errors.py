@@ -21,10 +21,15 @@ def _data(seed: int) -> list[types.Datum]:
     out = []
     for _ in range(3):
         toks = rng.integers(5, 900, size=10).tolist()
-        out.append(types.Datum(
-            model_input=types.ModelInput.from_ints(toks[:-1]),
-            loss_fn_inputs={"target_tokens": toks[1:], "weights": rng.uniform(0.2, 1.5, 9).tolist()},
-        ))
+        out.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:],
+                    "weights": rng.uniform(0.2, 1.5, 9).tolist(),
+                },
+            )
+        )
     return out
 
 
@@ -70,8 +75,12 @@ def test_two_keys_train_concurrently_like_solo(server):
     ids=["no-key", "no-tml-prefix", "unknown-key"],
 )
 def test_bad_keys_get_401_json(server, headers):
-    r = httpx.post(f"{server.url}/api/v1/create_session", json={"type": "create_session"},
-                   headers=headers, timeout=10)
+    r = httpx.post(
+        f"{server.url}/api/v1/create_session",
+        json={"type": "create_session"},
+        headers=headers,
+        timeout=10,
+    )
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "unauthenticated"
 
@@ -83,8 +92,10 @@ def test_sdk_with_unknown_key_raises_authentication_error(server):
 
 
 def _datum(tokens, targets, weights):
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                       loss_fn_inputs={"target_tokens": targets, "weights": weights})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={"target_tokens": targets, "weights": weights},
+    )
 
 
 def test_bad_input_fails_future_and_server_keeps_training(server, api_key):
@@ -108,11 +119,19 @@ def test_bad_input_fails_future_and_server_keeps_training(server, api_key):
     other = sc.create_lora_training_client(base_model=BASE, rank=4, seed=3)
     body = pb.ForwardBackwardRequest(model_id=other.model_id, seq_id=1, loss_fn="cross_entropy")
     headers = {"X-API-Key": api_key, "Content-Type": "application/x-protobuf"}
-    r = httpx.post(f"{server.url}/api/v1/forward_backward", content=body.SerializeToString(),
-                   headers=headers, timeout=10)
+    r = httpx.post(
+        f"{server.url}/api/v1/forward_backward",
+        content=body.SerializeToString(),
+        headers=headers,
+        timeout=10,
+    )
     assert r.status_code == 200, r.text
-    res = httpx.post(f"{server.url}/api/v1/retrieve_future", headers={"X-API-Key": api_key},
-                     json={"request_id": r.json()["request_id"]}, timeout=40).json()
+    res = httpx.post(
+        f"{server.url}/api/v1/retrieve_future",
+        headers={"X-API-Key": api_key},
+        json={"request_id": r.json()["request_id"]},
+        timeout=40,
+    ).json()
     assert res["category"] == "user" and "data: must contain at least one datum" in res["error"]
 
     with pytest.raises(tinker.RequestFailedError) as exc:
@@ -140,10 +159,15 @@ def test_tenant_cannot_see_other_tenants_models(server):
     key_a, key_b = server.create_key("iso-a"), server.create_key("iso-b")
     sc = tinker.ServiceClient(base_url=server.url, api_key=key_a)
     tc = sc.create_lora_training_client(base_model=BASE, rank=4)
-    r = httpx.post(f"{server.url}/api/v1/get_info", json={"model_id": tc.model_id},
-                   headers={"X-API-Key": key_b}, timeout=10)
+    r = httpx.post(
+        f"{server.url}/api/v1/get_info",
+        json={"model_id": tc.model_id},
+        headers={"X-API-Key": key_b},
+        timeout=10,
+    )
     assert r.status_code == 404
-    r = httpx.get(f"{server.url}/api/v1/training_runs/{tc.model_id}",
-                  headers={"X-API-Key": key_b}, timeout=10)
+    r = httpx.get(
+        f"{server.url}/api/v1/training_runs/{tc.model_id}", headers={"X-API-Key": key_b}, timeout=10
+    )
     assert r.status_code == 404
     sc.close("success")

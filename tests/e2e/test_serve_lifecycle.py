@@ -65,8 +65,13 @@ def test_unknown_config_key_is_an_error_naming_it(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("port: 8000\nmodels:\n  - name: twinkle/tiny-chat\n    max_lora_rnak: 8\n")
     env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path / "data"))
-    out = subprocess.run([TWINKLE, "serve", "--config", str(cfg)], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [TWINKLE, "serve", "--config", str(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "models.0.max_lora_rnak" in out.stderr
 
@@ -75,14 +80,22 @@ def test_sigterm_shuts_down_ray_completely(tmp_path):
     port = _free_port()
     env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path))
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([TWINKLE, "serve", "--port", str(port)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [TWINKLE, "serve", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2).status_code == 200:
+                if (
+                    httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2).status_code
+                    == 200
+                ):
                     break
             except httpx.HTTPError:
                 pass

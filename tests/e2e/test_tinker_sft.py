@@ -66,8 +66,11 @@ def test_sft_loop_save_resume_and_sample(service):
 
     sampler = tc.save_weights_and_get_sampling_client()
     prompt = types.ModelInput.from_ints(SEQS[0][:5])
-    res = sampler.sample(prompt, num_samples=4,
-                         sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)).result()
+    res = sampler.sample(
+        prompt,
+        num_samples=4,
+        sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=3),
+    ).result()
     assert len(res.sequences) == 4
     for seq in res.sequences:
         assert 1 <= len(seq.tokens) <= 6
@@ -112,8 +115,11 @@ def test_named_sampler_weights_and_checkpoint_listing(server, api_key, service):
     path = tc.save_weights_for_sampler("final").result().path
     assert path == f"tinker://{tc.model_id}/sampler_weights/final"
     sc = service.create_sampling_client(model_path=path)
-    out = sc.sample(types.ModelInput.from_ints(SEQS[2][:4]), 2,
-                    types.SamplingParams(max_tokens=3, temperature=0.0)).result()
+    out = sc.sample(
+        types.ModelInput.from_ints(SEQS[2][:4]),
+        2,
+        types.SamplingParams(max_tokens=3, temperature=0.0),
+    ).result()
     assert len(out.sequences) == 2 and out.sequences[0].tokens == out.sequences[1].tokens
 
     rest = service.create_rest_client()
@@ -132,25 +138,31 @@ def test_rl_losses_through_the_sdk(service, loss_fn):
     tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = SEQS[3][:4]
-    res = sampler.sample(types.ModelInput.from_ints(prompt), 4,
-                         types.SamplingParams(max_tokens=5, temperature=1.0, seed=1)).result()
+    res = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        4,
+        types.SamplingParams(max_tokens=5, temperature=1.0, seed=1),
+    ).result()
     data = []
     for i, seq in enumerate(res.sequences):
         toks = prompt + seq.tokens
         n_prompt = len(prompt) - 1
         adv = 1.0 if i % 2 == 0 else -1.0
-        data.append(types.Datum(
-            model_input=types.ModelInput.from_ints(toks[:-1]),
-            loss_fn_inputs={
-                "target_tokens": toks[1:],
-                "logprobs": [0.0] * n_prompt + list(seq.logprobs),
-                "advantages": [0.0] * n_prompt + [adv] * len(seq.tokens),
-            }))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:],
+                    "logprobs": [0.0] * n_prompt + list(seq.logprobs),
+                    "advantages": [0.0] * n_prompt + [adv] * len(seq.tokens),
+                },
+            )
+        )
     out = tc.forward_backward(data, loss_fn).result()
     assert math.isfinite(out.metrics["loss:sum"])
     # the learner's logprobs of the sampled tokens equal the sampler's (same weights, B = 0)
     for d, seq in zip(out.loss_fn_outputs, res.sequences, strict=True):
-        lp = d["logprobs"].tolist()[-len(seq.tokens):]
+        lp = d["logprobs"].tolist()[-len(seq.tokens) :]
         np.testing.assert_allclose(lp, seq.logprobs, atol=1e-4)
     step = tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert step.metrics["grad_norm"] > 0

@@ -46,30 +46,39 @@ def app_client(tmp_path_factory):
 
 def _model(client) -> str:
     sid = client.post("/api/v1/create_session", json={}).json()["session_id"]
-    fut = client.post("/api/v1/create_model", json={
-        "session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}})
+    fut = client.post(
+        "/api/v1/create_model",
+        json={"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 4}},
+    )
     assert fut.status_code == 200, fut.text
     assert client.post("/api/v1/retrieve_future", json=fut.json()).json()["model_id"]
     return fut.json()["model_id"]
 
 
 def _fwdbwd(client, model_id: str, seq_id: int):
-    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+    )
     req = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-        model_id=model_id, seq_id=seq_id)
+        model_id=model_id,
+        seq_id=seq_id,
+    )
     body = forward_backward_request_to_proto(req).SerializeToString()
-    r = client.post("/api/v1/forward_backward", content=body,
-                    headers={"Content-Type": "application/x-protobuf"})
+    r = client.post(
+        "/api/v1/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"}
+    )
     assert r.status_code == 200, r.text
     return r.json()["request_id"]
 
 
 def test_out_of_order_request_long_polls_then_completes(app_client):
     model_id = _model(app_client)
-    second = app_client.post("/api/v1/optim_step", json={
-        "model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}}).json()
+    second = app_client.post(
+        "/api/v1/optim_step",
+        json={"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}},
+    ).json()
     t0 = time.monotonic()
     pending = app_client.post("/api/v1/retrieve_future", json=second).json()
     assert pending["type"] == "try_again" and pending["queue_state"] == "active"
@@ -104,8 +113,9 @@ def test_unknown_future_is_404_json(app_client):
 
 def test_bad_checkpoint_name_fails_in_order(app_client):
     model_id = _model(app_client)
-    fut = app_client.post("/api/v1/save_weights", json={
-        "model_id": model_id, "seq_id": 1, "path": "../escape"}).json()
+    fut = app_client.post(
+        "/api/v1/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "../escape"}
+    ).json()
     res = app_client.post("/api/v1/retrieve_future", json=fut).json()
     assert res["category"] == "user" and "path" in res["error"]
     # seq 2 still runs: the rejected seq 1 advanced the model's sequence

@@ -17,9 +17,15 @@ def _data(seed: int) -> ForwardBackwardInput:
     data = []
     for _ in range(2):
         toks = rng.integers(5, 1500, size=9)
-        data.append(DatumInput(tokens=toks[:-1].tolist(), loss_fn_inputs={
-            "target_tokens": toks[1:].astype(np.int64),
-            "weights": rng.uniform(0.5, 1.5, 8).astype(np.float32)}))
+        data.append(
+            DatumInput(
+                tokens=toks[:-1].tolist(),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:].astype(np.int64),
+                    "weights": rng.uniform(0.5, 1.5, 8).astype(np.float32),
+                },
+            )
+        )
     return ForwardBackwardInput(data=data)
 
 

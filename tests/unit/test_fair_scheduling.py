@@ -19,8 +19,15 @@ def _batch(rng, n: int, length: int) -> ForwardBackwardInput:
     data = []
     for _ in range(n):
         toks = rng.integers(5, 1500, size=length + 1)
-        data.append(DatumInput(tokens=toks[:-1].tolist(), loss_fn_inputs={
-            "target_tokens": toks[1:].astype(np.int64), "weights": np.ones(length, np.float32)}))
+        data.append(
+            DatumInput(
+                tokens=toks[:-1].tolist(),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:].astype(np.int64),
+                    "weights": np.ones(length, np.float32),
+                },
+            )
+        )
     return ForwardBackwardInput(data=data)
 
 
@@ -82,5 +89,7 @@ def test_small_tenant_latency_under_8x_neighbour(tiny_model_dir, steps):
     solo, contended, big_steps = asyncio.run(main())
     ratio = statistics.median(contended) / statistics.median(solo)
     assert big_steps >= 1
-    print(f"median solo {statistics.median(solo):.4f}s contended {statistics.median(contended):.4f}s ratio {ratio:.2f} big_steps {big_steps}")
+    print(
+        f"median solo {statistics.median(solo):.4f}s contended {statistics.median(contended):.4f}s ratio {ratio:.2f} big_steps {big_steps}"
+    )
     assert ratio <= 2.0, (ratio, solo, contended)

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
-from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+from tinker.proto.response_conv import (
+    deserialize_forward_backward_output,
+    deserialize_sample_response,
+)
 
 from engine.protocol import ForwardBackwardOutput, SampledSequence, SampleOutput
 from gateway.errors import InvalidRequestError
@@ -20,20 +23,29 @@ from gateway.tinker_api.proto_codec import (
 def _sdk_request(data, loss_fn="cross_entropy", config=None, forward_only=False) -> bytes:
     req = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(
-            data=data, loss_fn=loss_fn, loss_fn_config=config),
-        model_id="sess-1:train:0", seq_id=3,
+            data=data, loss_fn=loss_fn, loss_fn_config=config
+        ),
+        model_id="sess-1:train:0",
+        seq_id=3,
     )
-    msg = forward_backward_request_to_proto(req, forward_only=forward_only) if forward_only \
+    msg = (
+        forward_backward_request_to_proto(req, forward_only=forward_only)
+        if forward_only
         else forward_backward_request_to_proto(req)
+    )
     return msg.SerializeToString() if hasattr(msg, "SerializeToString") else msg
 
 
 def test_decode_sdk_forward_backward_request():
     data = [
-        types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                    loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [0.5, -1.0, 2.0]}),
-        types.Datum(model_input=types.ModelInput.from_ints([7, 8]),
-                    loss_fn_inputs={"target_tokens": [8, 9], "weights": [1.0, 1.0]}),
+        types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [0.5, -1.0, 2.0]},
+        ),
+        types.Datum(
+            model_input=types.ModelInput.from_ints([7, 8]),
+            loss_fn_inputs={"target_tokens": [8, 9], "weights": [1.0, 1.0]},
+        ),
     ]
     model_id, seq_id, inp = decode_forward_backward(_sdk_request(data, config={"beta": 0.1}))
     assert (model_id, seq_id, inp.loss_fn) == ("sess-1:train:0", 3, "cross_entropy")
@@ -50,8 +62,10 @@ def test_garbage_body_is_a_400_naming_the_body():
 
 def test_forward_backward_output_decodes_in_sdk():
     out = ForwardBackwardOutput(
-        outputs=[{"logprobs": np.array([-1.0, -2.0, -0.5], np.float32)},
-                 {"logprobs": np.array([-3.0], np.float32)}],
+        outputs=[
+            {"logprobs": np.array([-1.0, -2.0, -0.5], np.float32)},
+            {"logprobs": np.array([-3.0], np.float32)},
+        ],
         metrics={"loss:sum": 6.5},
     )
     sdk = deserialize_forward_backward_output(encode_forward_backward_output(out))
@@ -61,8 +75,10 @@ def test_forward_backward_output_decodes_in_sdk():
 
 def test_sample_output_decodes_in_sdk():
     out = SampleOutput(
-        sequences=[SampledSequence([5, 6], [-0.25, -1.5], "stop"),
-                   SampledSequence([7], [-2.0], "length")],
+        sequences=[
+            SampledSequence([5, 6], [-0.25, -1.5], "stop"),
+            SampledSequence([7], [-2.0], "length"),
+        ],
         prompt_logprobs=[float("nan"), -1.0, -2.0],
     )
     sdk = deserialize_sample_response(encode_sample_output(out))

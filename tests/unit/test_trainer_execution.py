@@ -19,9 +19,15 @@ def _batch(seed: int, n: int = 6, length: int = 12) -> ForwardBackwardInput:
     data = []
     for _ in range(n):
         toks = rng.integers(5, 1500, size=length + 1)
-        data.append(DatumInput(tokens=toks[:-1].tolist(), loss_fn_inputs={
-            "target_tokens": toks[1:].astype(np.int64),
-            "weights": rng.uniform(-0.5, 1.5, length).astype(np.float32)}))
+        data.append(
+            DatumInput(
+                tokens=toks[:-1].tolist(),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:].astype(np.int64),
+                    "weights": rng.uniform(-0.5, 1.5, length).astype(np.float32),
+                },
+            )
+        )
     return ForwardBackwardInput(data=data)
 
 
@@ -60,10 +66,13 @@ def _assert_same(a, b, atol=1e-5):
 
 
 def test_sliced_requests_equal_whole_requests(tiny_model_dir, tmp_path):
-    whole, _ = _train(Trainer(_cfg(tiny_model_dir, slice_tokens=4096, execution="sequential"),
-                              str(tmp_path)), ["a"])
-    sliced, _ = _train(Trainer(_cfg(tiny_model_dir, slice_tokens=16, execution="sequential"),
-                               str(tmp_path)), ["a"])
+    whole, _ = _train(
+        Trainer(_cfg(tiny_model_dir, slice_tokens=4096, execution="sequential"), str(tmp_path)),
+        ["a"],
+    )
+    sliced, _ = _train(
+        Trainer(_cfg(tiny_model_dir, slice_tokens=16, execution="sequential"), str(tmp_path)), ["a"]
+    )
     _assert_same(whole, sliced)
 
 
@@ -85,9 +94,11 @@ def test_fused_execution_equals_sequential(tiny_model_dir, tmp_path):
     ids = ["a", "b", "c"]
     # a quantum of one request per tenant, so every round has all tenants' requests ready
     seq, seq_stats = _train(
-        Trainer(_cfg(tiny_model_dir, execution="sequential", slice_tokens=72), str(tmp_path)), ids)
+        Trainer(_cfg(tiny_model_dir, execution="sequential", slice_tokens=72), str(tmp_path)), ids
+    )
     fused, stats = _train(
-        Trainer(_cfg(tiny_model_dir, execution="fused", slice_tokens=72), str(tmp_path)), ids)
+        Trainer(_cfg(tiny_model_dir, execution="fused", slice_tokens=72), str(tmp_path)), ids
+    )
     assert seq_stats["fused_batches"] == 0
     assert stats["fused_batches"] >= 1 and stats["execution"]["mode"] == "fused"
     _assert_same(seq, fused)
