@@ -82,6 +82,10 @@ class ServerConfig(_Strict):
     seq_gap_timeout_seconds: float = Field(
         120.0, gt=0, description="How long a model's queue waits for a missing seq_id"
     )
+    max_concurrent_samples_per_user: int = Field(
+        64, ge=0, description="Sampling requests (Tinker asample, OpenAI completions) one user may "
+        "have in flight at once; more get 429 with retry-after. 0 = no limit"
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> ServerConfig:

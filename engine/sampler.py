@@ -2,16 +2,29 @@
 
 In-process or as a Ray Serve deployment (engine/app.py). One worker thread runs the backend; the
 backend caches adapters by checkpoint directory, so an evicted adapter is reloaded, never a 404.
+
+Batching at request granularity: `sample` queues the request and wakes the worker (at the end of
+the current event-loop iteration, so requests that arrive together are queued together); the
+worker takes every queued request (in arrival order, up to ``max_batch_rows`` rows, i.e. sum of
+``num_samples``; a single larger request runs alone) and decodes them together with the backend's
+``sample_many`` (one decode loop for all tenants and adapters). Requests arriving while a batch
+runs wait for the next batch. Each request gets its own result or error.
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import numbers
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
 
 from engine.backends.base import SamplingBackend
 from engine.config import ModelConfig
 from engine.protocol import SampleInput, SampleOutput
+
+DEFAULT_MAX_BATCH_ROWS = 64
 
 
 def build_sampling_backend(model: ModelConfig, data_dir: str) -> SamplingBackend:
@@ -21,18 +34,243 @@ def build_sampling_backend(model: ModelConfig, data_dir: str) -> SamplingBackend
     return TorchSamplingBackend(str(resolve_model_dir(model.name, data_dir, model.path)))
 
 
+def _rows(inp: SampleInput) -> int:
+    n = inp.num_samples
+    # invalid counts are the backend's to reject; here they count as one row
+    return n if isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1 else 1
+
+
 class Sampler:
     def __init__(
-        self, model: ModelConfig | dict, data_dir: str, *, backend: SamplingBackend | None = None
+        self,
+        model: ModelConfig | dict,
+        data_dir: str,
+        *,
+        backend: SamplingBackend | None = None,
+        max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
     ) -> None:
         self.model = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
-        self.backend = backend or build_sampling_backend(self.model, data_dir)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
+        self.max_batch_rows = max(1, int(max_batch_rows))
+        self._queue: deque[tuple[SampleInput, Future]] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._batches = 0
+        self._requests = 0
+        self._rows = 0
+        self._max_rows = 0
+        # The worker thread builds the backend itself (when none is given), so every torch op of
+        # the service runs on that one thread: on CPU, a second thread that has run torch ops
+        # keeps its own OpenMP team, and two teams on the same cores slow each other down badly.
+        built: Future = Future()
+        if backend is not None:
+            built.set_result(backend)
+        self._worker = threading.Thread(
+            target=self._run, args=(built, data_dir), name="sampler", daemon=True
+        )
+        self._worker.start()
+        self.backend = built.result()  # re-raises a build failure here
 
     async def info(self) -> dict:
         return {"base_model": self.model.name, "vocab_size": self.backend.vocab_size}
 
     async def sample(self, inp: SampleInput) -> SampleOutput:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: self.backend.sample(inp)
-        )
+        fut: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("Sampler is closed")
+            self._queue.append((inp, fut))
+        # Wake the worker at the end of this event-loop iteration, not now: requests that arrive
+        # together (tasks ready in the same iteration) are then all queued and form one batch.
+        asyncio.get_running_loop().call_soon(self._wake)
+        return await asyncio.wrap_future(fut)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    async def stats(self) -> dict:
+        """Batches run so far, requests and rows they held, and the mean batch size."""
+        with self._cond:
+            b = self._batches
+            return {
+                "batches": b,
+                "requests": self._requests,
+                "rows": self._rows,
+                "mean_batch_requests": self._requests / b if b else 0.0,
+                "mean_batch_rows": self._rows / b if b else 0.0,
+                "max_batch_rows_seen": self._max_rows,
+                "queued": len(self._queue),
+                "max_batch_rows": self.max_batch_rows,
+            }
+
+    def close(self) -> None:
+        """Stop the worker after the queued requests are done (idempotent)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if threading.current_thread() is not self._worker:
+            self._worker.join()
+
+    # ------------------------------------------------------------------------------- worker
+
+    def _next_batch(self) -> list[tuple[SampleInput, Future]] | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if not self._queue:
+                return None  # closed and drained
+            batch = [self._queue.popleft()]
+            rows = _rows(batch[0][0])
+            while self._queue and rows + _rows(self._queue[0][0]) <= self.max_batch_rows:
+                item = self._queue.popleft()
+                batch.append(item)
+                rows += _rows(item[0])
+            self._batches += 1
+            self._requests += len(batch)
+            self._rows += rows
+            self._max_rows = max(self._max_rows, rows)
+            return batch
+
+    def _run(self, built: Future, data_dir: str) -> None:
+        if not built.done():
+            try:
+                built.set_result(build_sampling_backend(self.model, data_dir))
+            except BaseException as e:  # noqa: BLE001 (re-raised by the constructor)
+                built.set_exception(e)
+                return
+        while (batch := self._next_batch()) is not None:
+            # a future cancelled before the batch started needs no work
+            live = [(inp, fut) for inp, fut in batch if fut.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            results = self._execute([inp for inp, _ in live])
+            for (_, fut), res in zip(live, results, strict=True):
+                if isinstance(res, BaseException):
+                    fut.set_exception(res)
+                else:
+                    fut.set_result(res)
+
+    def _execute(self, inputs: Sequence[SampleInput]) -> list[SampleOutput | BaseException]:
+        sample_many = getattr(self.backend, "sample_many", None)
+        if sample_many is not None:
+            try:
+                return list(sample_many(inputs))
+            except Exception as e:  # noqa: BLE001 (an unexpected failure of the whole batch)
+                if len(inputs) == 1:
+                    return [e]
+                # retry one by one, so only the request that fails gets the error
+        results: list[SampleOutput | BaseException] = []
+        for inp in inputs:
+            try:
+                results.append(self.backend.sample(inp))
+            except Exception as e:  # noqa: BLE001 (EngineError or not: that request's failure)
+                results.append(e)
+        return results
+
+    # ==========================================================================================
+    # Text helpers for the gateway's OpenAI-compatible API (gateway/openai_api/). The tokenizer
+    # lives with the model, so the gateway never imports transformers. This block only reads
+    # ``self.backend.tokenizer``. Tokenizing is cheap and keeps no state, so these run on the event
+    # loop, never queued behind a generation on the sampling thread. Text is decoded without
+    # special tokens and without clean-up of tokenization spaces.
+    # ==========================================================================================
+
+    async def _text_tokenizer(self):
+        tok = getattr(self.backend, "tokenizer", None)
+        if tok is None:
+            from engine.errors import BackendError
+
+            raise BackendError(f"the sampler of {self.model.name} has no tokenizer")
+        return tok
+
+    async def _check_token_ids(self, tokens: list[int], field: str) -> list[int]:
+        from engine.errors import UserInputError
+
+        if not isinstance(tokens, (list, tuple)):
+            raise UserInputError(f"{field}: must be a list of token ids")
+        out: list[int] = []
+        for j, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise UserInputError(f"{field}: token id {t!r} at position {j} must be an integer >= 0")
+            out.append(int(t))
+        return out
+
+    async def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of ``messages`` ([{"role", "content"}, ...]) rendered by the tokenizer's chat
+        template (plus the assistant prefix when ``add_generation_prompt``). A missing template or
+        one that rejects the messages is a `UserInputError` naming ``messages``."""
+        from engine.errors import UserInputError
+
+        tok = await self._text_tokenizer()
+        if not isinstance(messages, list) or not messages:
+            raise UserInputError("messages: must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise UserInputError(f"messages[{i}]: must be an object with a string 'role'")
+        if not getattr(tok, "chat_template", None):
+            raise UserInputError(
+                f"messages: model {self.model.name!r} has no chat template; send a plain prompt"
+            )
+        try:
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(), ...
+            detail = str(exc)[:300] or type(exc).__name__
+            raise UserInputError(f"messages: the chat template rejected them: {detail}") from None
+        if not isinstance(text, str):
+            raise UserInputError("messages: the chat template did not render to text")
+        # the template writes any BOS itself; adding special tokens again would double it
+        return [int(t) for t in tok.encode(text, add_special_tokens=False)]
+
+    async def encode_text(self, text: str) -> list[int]:
+        """Token ids of a plain prompt (with the tokenizer's usual special tokens, e.g. BOS)."""
+        from engine.errors import UserInputError
+
+        if not isinstance(text, str):
+            raise UserInputError("prompt: must be a string")
+        tok = await self._text_tokenizer()
+        return [int(t) for t in tok.encode(text)]
+
+    async def decode(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` (special tokens such as EOS are left out)."""
+        ids = await self._check_token_ids(tokens, "tokens")
+        tok = await self._text_tokenizer()
+        return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    async def decode_pieces(self, tokens: list[int]) -> list[str]:
+        """The text each token adds, for streaming and per-token logprobs: one string per token,
+        whose concatenation equals ``decode(tokens)``. A token that ends inside a multi-byte
+        character (or a special token) adds "" and the character comes with a later token.
+        Decoded with a few tokens of left context, so tokenizers that drop a leading space at the
+        start of a decode (SentencePiece) still get it right."""
+        ids = await self._check_token_ids(tokens, "tokens")
+        tok = await self._text_tokenizer()
+
+        def dec(part: list[int]) -> str:
+            return tok.decode(part, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+        pieces: list[str] = []
+        prefix_off = read_off = 0  # context window start; end of the tokens already emitted
+        for i in range(len(ids)):
+            prefix_text = dec(ids[prefix_off:read_off])
+            new_text = dec(ids[prefix_off : i + 1])
+            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+                pieces.append(new_text[len(prefix_text) :])
+                prefix_off, read_off = read_off, i + 1
+            else:
+                pieces.append("")
+        if ids and read_off < len(ids):  # held-back bytes at the end: emit what they decode to
+            pieces[-1] += dec(ids[prefix_off:])[len(dec(ids[prefix_off:read_off])) :]
+        full = dec(ids)
+        if "".join(pieces) != full:  # an exotic decoder: give the whole text with the last token
+            pieces = [""] * (len(ids) - 1) + [full] if ids else []
+        return pieces
+
+    async def eos_token(self) -> str | None:
+        """The tokenizer's end-of-sequence token as text (e.g. "<|im_end|>"), or None."""
+        tok = await self._text_tokenizer()
+        eos = getattr(tok, "eos_token", None)
+        return eos if isinstance(eos, str) and eos else None

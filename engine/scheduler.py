@@ -44,6 +44,9 @@ class Job:
 class FairScheduler:
     def __init__(self, quantum: int = DEFAULT_QUANTUM) -> None:
         self.quantum = quantum
+        #: credit of a tenant that was idle: two quanta plus an optimizer step, so a small
+        #: tenant's whole step (fwd/bwd + optim_step) usually runs before a backlog's next slice
+        self.new_flow_credit = 2 * quantum + FIXED_COST
         # Active tenants in round-robin order: recently idle ("new") ones are served first.
         # A tenant whose queue ran empty keeps its place until its next turn, so a tenant that
         # immediately sends its next slice does not count as new.
@@ -81,7 +84,7 @@ class FairScheduler:
             self._old[tenant].append(job)
         else:
             self._new[tenant] = deque([job])
-            self._deficit[tenant] = self.quantum
+            self._deficit[tenant] = self.new_flow_credit
         self._wake.set()
         return await fut
 

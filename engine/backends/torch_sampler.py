@@ -1,9 +1,11 @@
 """Sampling backend on plain torch + HF transformers (KV-cached decoding, CPU or one GPU).
 
 Owns its own copy of the base model with MultiLoraLinear layers, an LRU cache of adapters loaded
-from checkpoint directories (PEFT files), request validation, and the decoding loop: greedy or
-temperature/top-k/top-p sampling from a seeded generator, stop tokens / EOS / stop strings, raw
-(temperature-1) token logprobs, and prompt logprobs.
+from checkpoint directories (PEFT files), request validation, and `sample_many`: many requests
+(different tenants, adapters, prompt lengths and sampling params) decoded together in one batch by
+`engine.backends.sampler_decode.decode_batch` - greedy or temperature/top-k/top-p sampling from a
+per-request seeded generator, stop tokens / EOS / stop strings, raw (temperature-1) token logprobs,
+and prompt logprobs. `sample` is `sample_many` of one request.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import math
 import numbers
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import torch
@@ -21,33 +25,17 @@ from engine.backends.lora import (
     ADAPTER_WEIGHTS_NAME,
     inject_multi_lora,
     load_adapter,
-    lora_routing,
     remove_adapter,
 )
-from engine.errors import CheckpointError, UserInputError
-from engine.protocol import SampledSequence, SampleInput, SampleOutput, SamplingParams
+from engine.backends.sampler_decode import RequestState, decode_batch
+from engine.backends.sampler_decode import filter_logits as _filter_logits  # noqa: F401 (tests)
+from engine.errors import CheckpointError, EngineError, UserInputError
+from engine.protocol import SampleInput, SampleOutput, SamplingParams
 
 
 def _is_int(v) -> bool:
     # numpy integers count (numbers.Integral); bools do not
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _filter_logits(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) everything outside the top-k and outside the top-p nucleus, per row."""
-    if 0 < top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
-        # already does (the most likely token is always kept)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop[:, 0] = False
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
-    return x
 
 
 class TorchSamplingBackend(SamplingBackend):
@@ -74,10 +62,17 @@ class TorchSamplingBackend(SamplingBackend):
         # parts make a directory rewritten in place load afresh instead of serving stale weights.
         self._cache: OrderedDict[tuple[str, int, int], str] = OrderedDict()
         self._next_id = 0
+        self._retired: list[str] = []  # replaced in place while pinned; unloaded after the batch
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else next(iter(self.eos_ids), 0))
 
     # ------------------------------------------------------------------------------- adapters
 
-    def _adapter_id(self, adapter_dir: str) -> str:
+    def _adapter_id(self, adapter_dir: str, pinned: set[str] | None = None) -> str:
+        """Internal id of the adapter in ``adapter_dir``, loading it if needed. Ids in ``pinned``
+        (used by the batch being assembled) are never evicted or unloaded here: the cache may
+        then exceed its size until `_trim_cache` runs after the batch."""
+        pinned = pinned if pinned is not None else set()
         path = os.path.realpath(adapter_dir)
         try:
             st = (Path(path) / ADAPTER_WEIGHTS_NAME).stat()
@@ -88,15 +83,30 @@ class TorchSamplingBackend(SamplingBackend):
             self._cache.move_to_end(key)
             return self._cache[key]
         for stale in [k for k in self._cache if k[0] == path]:
-            remove_adapter(self.model, self._cache.pop(stale))
+            stale_id = self._cache.pop(stale)
+            if stale_id in pinned:  # an earlier request of this batch uses the old weights
+                self._retired.append(stale_id)
+            else:
+                remove_adapter(self.model, stale_id)
         adapter_id = f"sampler-{self._next_id}"
         self._next_id += 1
         load_adapter(self.model, adapter_id, path)
         self._cache[key] = adapter_id
-        while len(self._cache) > self.max_cached_adapters:
-            _, evicted = self._cache.popitem(last=False)
-            remove_adapter(self.model, evicted)
+        self._trim_cache(pinned | {adapter_id})
         return adapter_id
+
+    def _trim_cache(self, pinned: AbstractSet[str] = frozenset()) -> None:
+        """Evict least recently used adapters beyond the cache size, except pinned ones."""
+        for stale_id in [a for a in self._retired if a not in pinned]:
+            self._retired.remove(stale_id)
+            remove_adapter(self.model, stale_id)
+        excess = len(self._cache) - self.max_cached_adapters
+        for key in list(self._cache):
+            if excess <= 0:
+                break
+            if self._cache[key] not in pinned:
+                remove_adapter(self.model, self._cache.pop(key))
+                excess -= 1
 
     def cached_adapter_dirs(self) -> list[str]:
         """Adapter directories currently loaded, least recently used first."""
@@ -165,72 +175,61 @@ class TorchSamplingBackend(SamplingBackend):
         )
         return any(s in text for s in stops)
 
-    @torch.no_grad()
-    def sample(self, inp: SampleInput) -> SampleOutput:
+    def _prepare(self, inp: SampleInput, pinned: set[str]) -> RequestState:
         self._validate(inp)
         p = inp.params
-        n = inp.num_samples
-        adapter = self._adapter_id(inp.adapter_dir) if inp.adapter_dir else None
-
-        def route(rows: int):
-            return lora_routing(self.model, [(adapter, 0, rows)] if adapter else [])
-
-        prompt_ids = [int(t) for t in inp.prompt_tokens]
-        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        with route(1):  # the prompt runs once; its KV cache is then copied to the n rows
-            out = self.model(
-                input_ids=prompt, use_cache=True, logits_to_keep=0 if inp.prompt_logprobs else 1
-            )
-        prompt_lps = None
-        if inp.prompt_logprobs:
-            lp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
-            picked = lp.gather(-1, prompt[0, 1:, None])[:, 0]
-            prompt_lps = [math.nan] + [float(v) for v in picked.cpu()]
-        cache = out.cache
-        logits = out.logits[:, -1, :].float()
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits = logits.expand(n, -1)
-
-        gen = self._make_generator(p.seed)
+        adapter = self._adapter_id(inp.adapter_dir, pinned) if inp.adapter_dir else None
+        if adapter is not None:
+            pinned.add(adapter)
         stop_ids = {int(t) for t in p.stop_token_ids} | (self.eos_ids if p.stop_at_eos else set())
-        stops = list(p.stop_strings)
-        window = max((len(s.encode("utf-8")) for s in stops), default=0) + 1
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        reasons = ["length"] * n
-        active = list(range(n))  # original row of each row still in the batch
-        for step in range(p.max_tokens):
-            raw_lp = torch.log_softmax(logits, dim=-1)
-            if p.temperature == 0:
-                nxt = torch.argmax(logits, dim=-1)
-            else:
-                x = _filter_logits(logits / p.temperature, p.top_k, p.top_p)
-                nxt = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gen)[:, 0]
-            chosen = raw_lp.gather(-1, nxt[:, None])[:, 0]
-            keep: list[int] = []
-            for j, (tok, lpv) in enumerate(zip(nxt.tolist(), chosen.tolist(), strict=True)):
-                row = active[j]
-                tokens[row].append(tok)
-                logprobs[row].append(lpv)
-                if tok in stop_ids or (
-                    stops and self._hits_stop_string(tokens[row], stops, window)
-                ):
-                    reasons[row] = "stop"  # a finished row stops growing
-                else:
-                    keep.append(j)
-            if not keep or step == p.max_tokens - 1:
-                break
-            if len(keep) < len(active):  # drop finished rows from the batch and the cache
-                idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-                cache.batch_select_indices(idx)
-                nxt = nxt[idx]
-                active = [active[j] for j in keep]
-            with route(len(active)):
-                out = self.model(input_ids=nxt[:, None], cache=cache, use_cache=True)
-            cache = out.cache
-            logits = out.logits[:, -1, :].float()
-        return SampleOutput(
-            sequences=[SampledSequence(tokens[r], logprobs[r], reasons[r]) for r in range(n)],
-            prompt_logprobs=prompt_lps,
+        return RequestState(
+            inp=inp,
+            adapter=adapter,
+            prompt=[int(t) for t in inp.prompt_tokens],
+            stop_ids=stop_ids,
+            generator=None if p.temperature == 0 else self._make_generator(p.seed),
         )
+
+    @torch.no_grad()
+    def sample_many(self, inputs: Sequence[SampleInput]) -> list[SampleOutput | EngineError]:
+        """Decode all ``inputs`` (any adapters, prompt lengths and params) in one batch.
+
+        Slot i gets input i's output, or the EngineError that input alone raised (validation,
+        a missing or bad checkpoint); a failing input does not stop the others. Every output
+        equals what `sample` of that input alone gives (see sampler_decode). Unexpected backend
+        failures raise.
+        """
+        results: list[SampleOutput | EngineError | None] = [None] * len(inputs)
+        ready: list[tuple[int, RequestState]] = []
+        pinned: set[str] = set()
+        try:
+            for i, inp in enumerate(inputs):
+                try:
+                    ready.append((i, self._prepare(inp, pinned)))
+                except EngineError as e:
+                    results[i] = e
+            # adapter order (base rows first, then adapters in order of first appearance), then
+            # input order: each adapter's rows form one contiguous routing segment
+            first: dict[str | None, int] = {None: -1}
+            for _, r in ready:
+                first.setdefault(r.adapter, len(first))
+            ready.sort(key=lambda t: (first[t[1].adapter], t[0]))
+            decode_batch(
+                self.model,
+                [r for _, r in ready],
+                pad_id=self.pad_id,
+                device=self.device,
+                hits_stop=self._hits_stop_string,
+            )
+        finally:
+            self._trim_cache()
+        for i, r in ready:
+            results[i] = r.output()
+        return results  # type: ignore[return-value]
+
+    def sample(self, inp: SampleInput) -> SampleOutput:
+        """Generate ``inp.num_samples`` sequences for one prompt (raises its EngineError)."""
+        out = self.sample_many([inp])[0]
+        if isinstance(out, EngineError):
+            raise out
+        return out

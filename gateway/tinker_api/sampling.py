@@ -16,6 +16,7 @@ from gateway.deps import (
     owned_session,
 )
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.sampling_limits import SamplingLimiterDep
 from gateway.tables import SamplingSessionRow, TrainingRunRow
 from gateway.tinker_api.proto_codec import encode_sample_output
 from gateway.tinker_api.schemas import CreateSamplingSessionRequest, SampleRequest
@@ -101,7 +102,7 @@ def _prompt_tokens(req: SampleRequest) -> list[int]:
 @router.post("/asample")
 async def asample(
     req: SampleRequest, who: PrincipalDep, db: DbDep, engine: EngineDep, futures: FuturesDep,
-    config: ConfigDep,
+    config: ConfigDep, limiter: SamplingLimiterDep,
 ) -> dict:
     if req.sampling_session_id:
         row = owned_sampler(db, who, req.sampling_session_id)
@@ -123,10 +124,21 @@ async def asample(
         params=_sampling_params(req), prompt_logprobs=req.prompt_logprobs, adapter_dir=adapter_dir,
     )
 
-    async def run_() -> tuple[str, object]:
-        out = await engine.sampler(base, "sample", inp)
-        return "proto", encode_sample_output(out)
+    # One slot of the user's concurrent-sampling limit from submit until the future finishes;
+    # over the limit: 429 + retry-after, no future is recorded, the SDK retries the same seq_id.
+    slot = limiter.acquire(who.user_id)
 
-    rec = futures.submit(user_id=who.user_id, kind="sample", run=run_, idem_key=idem)
+    async def run_() -> tuple[str, object]:
+        try:
+            out = await engine.sampler(base, "sample", inp)
+            return "proto", encode_sample_output(out)
+        finally:
+            slot.release()
+
+    try:
+        rec = futures.submit(user_id=who.user_id, kind="sample", run=run_, idem_key=idem)
+    except BaseException:
+        slot.release()
+        raise
     rec.extra["sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(req.num_samples)]
     return {"request_id": rec.request_id, "sample_sequence_ids": rec.extra["sequence_ids"]}

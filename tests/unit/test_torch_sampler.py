@@ -1,5 +1,6 @@
 """TorchSamplingBackend: greedy == HF generate (base and peft-loaded adapters), seeded sampling,
-stop handling, logprobs vs a forward pass, adapter LRU cache, validation."""
+stop handling, logprobs vs a forward pass, adapter LRU cache, validation, `sample` is
+`sample_many` of one request (batched sampling itself: test_batched_sampling.py)."""
 
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ def test_logprobs_match_forward_pass(tiny_model_dir, sampler, perturbed_adapter)
 
 def test_seeded_sampling_reproduces(sampler, perturbed_adapter) -> None:
     prompt = _prompt(sampler)
-    kw = dict(n=3, max_tokens=16, temperature=1.0, stop_at_eos=False)
+    kw = {"n": 3, "max_tokens": 16, "temperature": 1.0, "stop_at_eos": False}
     a = _sample(sampler, prompt, perturbed_adapter, seed=42, **kw)
     b = _sample(sampler, prompt, perturbed_adapter, seed=42, **kw)
     c = _sample(sampler, prompt, perturbed_adapter, seed=43, **kw)
@@ -210,7 +211,7 @@ def test_seeded_sampling_reproduces(sampler, perturbed_adapter) -> None:
 
 def test_filter_logits() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
-    keep = lambda x: torch.isfinite(x).tolist()  # noqa: E731
+    keep = lambda x: torch.isfinite(x).tolist()
     assert keep(_filter_logits(logits, 3, 1.0)) == [
         [True, True, True, False],
         [False, True, True, True],
@@ -236,7 +237,7 @@ def test_stop_strings_and_stop_tokens_cut_exactly(sampler, perturbed_adapter) ->
         sampler, prompt, perturbed_adapter, max_tokens=30, temperature=0.0, stop_at_eos=False
     )
     tokens = full.sequences[0].tokens
-    dec = lambda t: sampler.tokenizer.decode(t, skip_special_tokens=False)  # noqa: E731
+    dec = lambda t: sampler.tokenizer.decode(t, skip_special_tokens=False)
     text = dec(tokens)
     assert len(tokens) == 30 and full.sequences[0].stop_reason == "length"
     b5, b12 = len(dec(tokens[:5])), len(dec(tokens[:12]))
@@ -362,3 +363,23 @@ def test_validation_names_the_field(sampler, prompt, n, params, extra, message) 
     inp = SampleInput(prompt_tokens=prompt, num_samples=n, params=SamplingParams(**params), **extra)
     with pytest.raises(UserInputError, match=message):
         sampler.sample(inp)
+
+
+def test_sample_is_sample_many_of_one(sampler, perturbed_adapter) -> None:
+    inp = SampleInput(
+        prompt_tokens=_prompt(sampler),
+        num_samples=2,
+        params=SamplingParams(max_tokens=8, temperature=0.9, seed=4),
+        prompt_logprobs=True,
+        adapter_dir=str(perturbed_adapter),
+    )
+    one = sampler.sample(inp)
+    (many,) = sampler.sample_many([inp])
+    assert [s.tokens for s in one.sequences] == [s.tokens for s in many.sequences]
+    assert [s.logprobs for s in one.sequences] == [s.logprobs for s in many.sequences]
+    np.testing.assert_array_equal(one.prompt_logprobs, many.prompt_logprobs)
+    bad = SampleInput(prompt_tokens=[1], params=SamplingParams(top_p=0.0))
+    (err,) = sampler.sample_many([bad])
+    assert isinstance(err, UserInputError)
+    with pytest.raises(UserInputError, match="top_p"):
+        sampler.sample(bad)

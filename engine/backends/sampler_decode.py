@@ -1,0 +1,208 @@
+"""The batched decoding loop of the torch sampler: many requests, many adapters, one KV cache.
+
+Owns the per-request decoding state (`RequestState`) and `decode_batch`, which runs every row of
+every request (``num_samples`` rows each) through one left-padded prefill and one decode loop:
+
+* rows are ordered by adapter (base-model rows first, in no LoRA segment), then by request, so each
+  adapter's rows form one contiguous `lora_routing` segment at every step;
+* the prefill runs one row per request (prompts left-padded, attention mask + position ids that
+  count only real tokens); its KV cache is then gathered to the request's ``num_samples`` rows;
+* each decode step feeds one token per live row with the attention mask grown by one column and
+  each row's own next position; finished rows are dropped from the batch and from the cache;
+* sampling is per request: greedy (temperature 0) is an argmax, otherwise top-k/top-p filtering and
+  one ``torch.multinomial`` call over the request's live rows with the request's own generator, so
+  the random stream a request consumes does not depend on what else is in the batch.
+
+Results therefore equal decoding each request alone (up to float rounding of batched GEMMs: logprobs
+agree to ~1e-6, greedy tokens are identical unless two logits tie to that precision).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.backends.lora import Segment, lora_routing
+from engine.protocol import SampledSequence, SampleInput, SampleOutput
+
+
+def filter_logits(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) everything outside the top-k and outside the top-p nucleus, per row."""
+    if 0 < top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
+        # already does (the most likely token is always kept)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[:, 0] = False
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
+    return x
+
+
+@dataclass
+class RequestState:
+    """One validated request and what it has produced so far."""
+
+    inp: SampleInput
+    adapter: str | None  # internal adapter id, None for the base model
+    prompt: list[int]
+    stop_ids: set[int]
+    generator: torch.Generator | None  # None: greedy
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = self.inp.num_samples
+        self.tokens = [[] for _ in range(n)]
+        self.logprobs = [[] for _ in range(n)]
+        self.reasons = ["length"] * n
+        self.stops = list(self.inp.params.stop_strings)
+        self.window = max((len(s.encode("utf-8")) for s in self.stops), default=0) + 1
+
+    @property
+    def num_samples(self) -> int:
+        return self.inp.num_samples
+
+    def output(self) -> SampleOutput:
+        seqs = [
+            SampledSequence(self.tokens[r], self.logprobs[r], self.reasons[r])  # type: ignore[arg-type]
+            for r in range(self.num_samples)
+        ]
+        return SampleOutput(sequences=seqs, prompt_logprobs=self.prompt_logprobs)
+
+
+def adapter_segments(row_adapters: list[str | None]) -> list[Segment]:
+    """Contiguous runs of equal non-None adapter ids → routing segments (base rows: none)."""
+    segments: list[Segment] = []
+    start = 0
+    for i in range(1, len(row_adapters) + 1):
+        if i == len(row_adapters) or row_adapters[i] != row_adapters[start]:
+            if row_adapters[start] is not None:
+                segments.append((row_adapters[start], start, i))  # type: ignore[arg-type]
+            start = i
+    return segments
+
+
+def _runs(row_req: list[int]) -> list[tuple[int, int, int]]:
+    """(request index, start, end) for each run of rows of one request (rows of a request are
+    contiguous: they are ordered by request and dropping rows keeps the order)."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(row_req) + 1):
+        if i == len(row_req) or row_req[i] != row_req[start]:
+            runs.append((row_req[start], start, i))
+            start = i
+    return runs
+
+
+@torch.no_grad()
+def decode_batch(
+    model: nn.Module,
+    reqs: list[RequestState],
+    *,
+    pad_id: int,
+    device: torch.device,
+    hits_stop: Callable[[list[int], list[str], int], bool],
+) -> None:
+    """Decode every request of ``reqs`` (already in adapter order) in one batch; fills their state.
+
+    ``hits_stop(tokens, stop_strings, window)`` says whether a row's text now contains a stop
+    string. Raises only for unexpected (backend) failures.
+    """
+    if not reqs:
+        return
+    # ---------------------------------------------------------------- prefill, one row per request
+    lengths = [len(r.prompt) for r in reqs]
+    width = max(lengths)
+    ids = torch.full((len(reqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(reqs), width), dtype=torch.long)
+    for i, r in enumerate(reqs):
+        ids[i, width - lengths[i] :] = torch.tensor(r.prompt, dtype=torch.long)
+        mask[i, width - lengths[i] :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    # positions count real tokens only; padding gets 1 (any finite position: it is masked out)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    want_prompt_lps = any(r.inp.prompt_logprobs for r in reqs)
+    with lora_routing(model, adapter_segments([r.adapter for r in reqs])):
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=0 if want_prompt_lps else 1,
+        )
+    for i, r in enumerate(reqs):
+        if r.inp.prompt_logprobs:
+            lo = width - lengths[i]
+            lp = torch.log_softmax(out.logits[i, lo : width - 1].float(), dim=-1)
+            picked = lp.gather(-1, ids[i, lo + 1 :, None])[:, 0]
+            r.prompt_logprobs = [math.nan] + [float(v) for v in picked.cpu()]
+    cache = out.cache
+    last = out.logits[:, -1, :].float()
+    del out
+
+    # ---------------------------------------------------------------- one row per sample
+    row_req = [i for i, r in enumerate(reqs) for _ in range(r.num_samples)]
+    row_sample = [s for r in reqs for s in range(r.num_samples)]
+    if len(row_req) != len(reqs):
+        gather = torch.tensor(row_req, dtype=torch.long, device=device)
+        cache.batch_select_indices(gather)
+        last, mask = last[gather], mask[gather]
+    next_pos = torch.tensor([lengths[i] for i in row_req], dtype=torch.long, device=device)
+    logits = last
+    max_tokens = [r.inp.params.max_tokens for r in reqs]
+
+    while True:
+        raw_lp = torch.log_softmax(logits, dim=-1)
+        nxt = torch.argmax(logits, dim=-1)
+        for i, start, end in _runs(row_req):
+            r = reqs[i]
+            if r.generator is None:
+                continue
+            p = r.inp.params
+            x = filter_logits(logits[start:end] / p.temperature, p.top_k, p.top_p)
+            nxt[start:end] = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=r.generator)[
+                :, 0
+            ]
+        chosen = raw_lp.gather(-1, nxt[:, None])[:, 0]
+        keep: list[int] = []
+        for j, (tok, lpv) in enumerate(zip(nxt.tolist(), chosen.tolist(), strict=True)):
+            r = reqs[row_req[j]]
+            s = row_sample[j]
+            toks = r.tokens[s]
+            toks.append(tok)
+            r.logprobs[s].append(lpv)
+            if tok in r.stop_ids or (r.stops and hits_stop(toks, r.stops, r.window)):
+                r.reasons[s] = "stop"  # a finished row stops growing
+            elif len(toks) < max_tokens[row_req[j]]:
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(row_req):  # drop finished rows from the batch and the cache
+            idx = torch.tensor(keep, dtype=torch.long, device=device)
+            cache.batch_select_indices(idx)
+            nxt, mask, next_pos = nxt[idx], mask[idx], next_pos[idx]
+            row_req = [row_req[j] for j in keep]
+            row_sample = [row_sample[j] for j in keep]
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        with lora_routing(model, adapter_segments([reqs[i].adapter for i in row_req])):
+            out = model(
+                input_ids=nxt[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                cache=cache,
+                use_cache=True,
+            )
+        next_pos = next_pos + 1
+        cache = out.cache
+        logits = out.logits[:, -1, :].float()

@@ -1,0 +1,247 @@
+"""OpenAI response bodies and stream chunks, built from finished engine samples.
+
+`finish()` turns one sampled sequence (token ids, logprobs, the engine's stop reason) plus the text
+each token adds into a `Choice`: the text is cut at the first stop string (OpenAI semantics: the
+stop string is not returned), tokens after the cut are dropped from the logprobs, and the finish
+reason is "stop" or "length". The builders below render choices as OpenAI's JSON shapes, whole or
+as SSE chunks (the engine generates the whole sequence first; the chunks are emitted at the end,
+one per token that adds text).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    pieces: list[str]  # the text each kept token adds; "".join(pieces) == text
+    logprobs: list[float]  # one per kept token
+    finish_reason: str  # "stop" | "length"
+    n_tokens: int  # every generated token, for usage (the stop text / EOS token included)
+
+
+def finish(
+    index: int, pieces: list[str], logprobs: list[float], stop_reason: str, stops: list[str]
+) -> Choice:
+    full = "".join(pieces)
+    cuts = [i for s in stops if (i := full.find(s)) >= 0]
+    text = full[: min(cuts)] if cuts else full
+    reason = "stop" if cuts else ("length" if stop_reason == "length" else "stop")
+    kept: list[str] = []
+    kept_lps: list[float] = []
+    off = 0
+    for piece, lp in zip(pieces, logprobs, strict=False):
+        if off >= len(text):  # tokens after the cut (and a trailing EOS, which adds no text)
+            break
+        kept.append(piece[: len(text) - off])
+        kept_lps.append(float(lp))
+        off += len(piece)
+    return Choice(index, text, kept, kept_lps, reason, len(pieces))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    completion = sum(c.n_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+def sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+# ----------------------------------------------------------------------------------------- chat
+
+
+def _chat_token_logprob(piece: str, lp: float) -> dict:
+    return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")), "top_logprobs": []}
+
+
+def chat_logprobs(c: Choice, lo: int = 0, hi: int | None = None) -> dict:
+    hi = len(c.pieces) if hi is None else hi
+    content = [_chat_token_logprob(c.pieces[i], c.logprobs[i]) for i in range(lo, hi)]
+    return {"content": content, "refusal": None}
+
+
+def chat_completion(
+    rid: str, model: str, created: int, choices: list[Choice], prompt_tokens: int, logprobs: bool
+) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": chat_logprobs(c) if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(prompt_tokens, choices),
+    }
+
+
+def _token_groups(c: Choice) -> Iterator[tuple[int, int]]:
+    """[lo, hi) token ranges, each ending with a token that adds text (held-back tokens of a
+    multi-byte character ride with the token that completes it)."""
+    lo = 0
+    for i, piece in enumerate(c.pieces):
+        if piece:
+            yield lo, i + 1
+            lo = i + 1
+    if lo < len(c.pieces):
+        yield lo, len(c.pieces)
+
+
+def chat_chunks(
+    rid: str,
+    model: str,
+    created: int,
+    choices: list[Choice],
+    prompt_tokens: int,
+    logprobs: bool,
+    include_usage: bool,
+) -> Iterator[bytes]:
+    def chunk(index: int, delta: dict, finish_reason=None, lps=None) -> bytes:
+        body = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [
+                {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
+            ],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    for c in choices:
+        yield chunk(c.index, {"role": "assistant", "content": ""})
+        for lo, hi in _token_groups(c):
+            text = "".join(c.pieces[lo:hi])
+            yield chunk(
+                c.index, {"content": text}, lps=chat_logprobs(c, lo, hi) if logprobs else None
+            )
+        yield chunk(c.index, {}, finish_reason=c.finish_reason)
+    if include_usage:
+        yield sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "system_fingerprint": None,
+                "choices": [],
+                "usage": usage(prompt_tokens, choices),
+            }
+        )
+    yield sse("[DONE]")
+
+
+# ---------------------------------------------------------------------------------- completions
+
+
+def completion_logprobs(c: Choice, lo: int = 0, hi: int | None = None) -> dict:
+    """Legacy shape; ``text_offset`` counts characters from the start of the completion text."""
+    hi = len(c.pieces) if hi is None else hi
+    offsets, off = [], 0
+    for i in range(hi):
+        if i >= lo:
+            offsets.append(off)
+        off += len(c.pieces[i])
+    return {
+        "tokens": c.pieces[lo:hi],
+        "token_logprobs": c.logprobs[lo:hi],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def completion(
+    rid: str, model: str, created: int, choices: list[Choice], prompt_tokens: int, logprobs: bool
+) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c) if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(prompt_tokens, choices),
+    }
+
+
+def completion_chunks(
+    rid: str,
+    model: str,
+    created: int,
+    choices: list[Choice],
+    prompt_tokens: int,
+    logprobs: bool,
+    include_usage: bool,
+) -> Iterator[bytes]:
+    def chunk(index: int, text: str, finish_reason=None, lps=None) -> bytes:
+        body = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [
+                {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
+            ],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    for c in choices:
+        for lo, hi in _token_groups(c):
+            text = "".join(c.pieces[lo:hi])
+            yield chunk(c.index, text, lps=completion_logprobs(c, lo, hi) if logprobs else None)
+        yield chunk(c.index, "", finish_reason=c.finish_reason)
+    if include_usage:
+        yield sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "system_fingerprint": None,
+                "choices": [],
+                "usage": usage(prompt_tokens, choices),
+            }
+        )
+    yield sse("[DONE]")
+
+
+def now() -> int:
+    return int(time.time())

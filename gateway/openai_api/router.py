@@ -1,0 +1,304 @@
+"""OpenAI-compatible endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
+
+Same API keys as the Tinker API (``Authorization: Bearer tml-…``, what the ``openai`` package
+sends). ``model`` is a served base model name or a ``tinker://`` / ``twinkle://`` checkpoint path
+the caller may read (their own, or a published one); ``"<base>;<path>"`` is accepted too. The
+engine's Sampler does the tokenizing (chat template), sampling and detokenizing; this module maps
+OpenAI's parameters onto an engine `SampleInput` and renders the results (`responses`). Each
+request holds one slot of the caller's concurrent-sampling limit (`gateway.sampling_limits`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from sqlmodel import col, or_, select
+
+from engine.errors import UserInputError
+from engine.protocol import SampleInput, SamplingParams
+from gateway.checkpoints import readable_checkpoint
+from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.openai_api import responses as R
+from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
+from gateway.sampling_limits import SamplingLimiterDep
+from gateway.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+#: max_tokens when the client sends none: OpenAI's 16 for /v1/completions; chat has no fixed
+#: default at OpenAI (the rest of the context), we use this, clamped to ``max_context_length``
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 256
+_SCHEMES = ("tinker://", "twinkle://")
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+@dataclass(frozen=True)
+class Target:
+    base_model: str
+    adapter_dir: str | None
+
+
+def _epoch(ts: datetime | None) -> int:
+    return 0 if ts is None else int(ts.replace(tzinfo=UTC).timestamp())
+
+
+def resolve_model(db, who, engine, model: str) -> Target:
+    """The base model and adapter directory for ``model``; 404 naming ``model`` if it is neither
+    a served base model nor a checkpoint path the caller may read."""
+    name = model.strip()
+    base_hint = None
+    if ";" in name:  # "<base>;<path>"
+        base_hint, _, name = (p.strip() for p in name.partition(";"))
+        if not name.startswith(_SCHEMES):
+            raise InvalidRequestError(
+                f"model: {model!r}: after ';' give a tinker:// checkpoint path"
+            )
+    if name.startswith(_SCHEMES):
+        ckpt = readable_checkpoint(db, who.user_id, name, "model")
+        run = db.get(TrainingRunRow, ckpt.run_id)
+        if run is None or not engine.serves(run.base_model):
+            raise NotFoundError(f"model: checkpoint {name} not found")
+        if base_hint and base_hint != run.base_model:
+            raise InvalidRequestError(
+                f"model: checkpoint {name} belongs to base model {run.base_model!r}, "
+                f"not {base_hint!r}"
+            )
+        return Target(run.base_model, ckpt.storage_dir)
+    if engine.serves(name):
+        return Target(name, None)
+    raise NotFoundError(
+        f"model: model {model!r} not found; GET /v1/models lists the models you can use"
+    )
+
+
+# ------------------------------------------------------------------------------------- models
+
+
+def _model_card(mid: str, created: int, owner: str, base: str | None) -> dict:
+    return {
+        "id": mid,
+        "object": "model",
+        "created": created,
+        "owned_by": owner,
+        "root": base or mid,
+        "parent": base,
+    }
+
+
+def _checkpoint_models(db, who, engine) -> list[dict]:
+    rows = db.exec(
+        select(CheckpointRow, TrainingRunRow.base_model, UserRow.name)
+        .join(TrainingRunRow, col(TrainingRunRow.id) == CheckpointRow.run_id)
+        .join(UserRow, col(UserRow.id) == CheckpointRow.user_id)
+        .where(
+            CheckpointRow.kind == "sampler",
+            col(CheckpointRow.ephemeral).is_(False),
+            or_(CheckpointRow.user_id == who.user_id, col(CheckpointRow.public).is_(True)),
+        )
+        .order_by(col(CheckpointRow.created_at))
+    ).all()
+    now = utcnow()
+    return [
+        _model_card(row.tinker_path, _epoch(row.created_at), owner, base)
+        for row, base, owner in rows
+        if (row.expires_at is None or row.expires_at > now) and engine.serves(base)
+    ]
+
+
+@router.get("/models")
+async def list_models(who: PrincipalDep, db: DbDep, engine: EngineDep) -> dict:
+    bases = [_model_card(name, 0, "twinkle", None) for name in engine.base_models]
+    return {"object": "list", "data": bases + _checkpoint_models(db, who, engine)}
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, who: PrincipalDep, db: DbDep, engine: EngineDep) -> dict:
+    target = resolve_model(db, who, engine, model_id)
+    if target.adapter_dir is None:
+        return _model_card(target.base_model, 0, "twinkle", None)
+    return _model_card(model_id, 0, who.user_name, target.base_model)
+
+
+# -------------------------------------------------------------------------------- generation
+
+
+def _params(req, max_tokens: int, stops: list[str]) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=-1 if req.top_k in (None, 0) else int(req.top_k),
+        seed=req.seed,
+        stop_strings=stops,
+        stop_at_eos=True,  # OpenAI always ends at EOS; `stop` only adds strings
+    )
+
+
+def _max_tokens(explicit: int | None, default: int, prompt_len: int, config, base: str) -> int:
+    if explicit is not None:
+        return explicit
+    ctx = getattr(config.model(base), "max_context_length", None)
+    return max(1, min(default, ctx - prompt_len)) if ctx else default
+
+
+def _as_invalid(exc: UserInputError, prompt_field: str) -> InvalidRequestError:
+    """An engine validation error, with OpenAI's field names instead of the engine's."""
+    msg = str(exc).replace("sampling_params.", "").replace("num_samples", "n")
+    if msg.startswith(("prompt:", "prompt ")):
+        msg = prompt_field + msg[len("prompt") :]
+    return InvalidRequestError(msg)
+
+
+def _check_unsupported(req) -> None:
+    bad = req.unsupported()
+    if bad:
+        raise InvalidRequestError(f"{'; '.join(bad)}: not supported by this server")
+
+
+async def _sample(
+    engine,
+    target: Target,
+    prompt: list[int],
+    n: int,
+    params: SamplingParams,
+    stops: list[str],
+    first_index: int,
+    prompt_field: str,
+) -> list[R.Choice]:
+    inp = SampleInput(
+        prompt_tokens=prompt, num_samples=n, params=params, adapter_dir=target.adapter_dir
+    )
+    try:
+        out = await engine.sampler(target.base_model, "sample", inp)
+    except UserInputError as exc:
+        raise _as_invalid(exc, prompt_field) from None
+    choices = []
+    for j, seq in enumerate(out.sequences):
+        pieces = await engine.sampler(target.base_model, "decode_pieces", list(seq.tokens))
+        lps = list(seq.logprobs)
+        choices.append(R.finish(first_index + j, pieces, lps, seq.stop_reason, stops))
+    return choices
+
+
+def _message_dict(i: int, m) -> dict:
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(
+                    f"messages[{i}].content[{k}]: only text parts are supported, got {part.type!r}"
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    if content is None:
+        raise InvalidRequestError(f"messages[{i}].content: must be a string or text parts")
+    out = {"role": m.role, "content": content}
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+@router.post("/chat/completions")
+async def chat_completions(
+    req: ChatCompletionRequest,
+    who: PrincipalDep,
+    db: DbDep,
+    engine: EngineDep,
+    config: ConfigDep,
+    limiter: SamplingLimiterDep,
+):
+    _check_unsupported(req)
+    stops = req.stop_strings()
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    target = resolve_model(db, who, engine, req.model)
+    async with limiter.acquire(who.user_id):
+        try:
+            prompt = await engine.sampler(target.base_model, "encode_chat", messages)
+        except UserInputError as exc:
+            raise _as_invalid(exc, "messages") from None
+        explicit = req.max_completion_tokens or req.max_tokens
+        max_tokens = _max_tokens(
+            explicit, DEFAULT_CHAT_MAX_TOKENS, len(prompt), config, target.base_model
+        )
+        params = _params(req, max_tokens, stops)
+        choices = await _sample(engine, target, prompt, req.n, params, stops, 0, "messages")
+    rid, created, logprobs = R.new_id("chatcmpl"), R.now(), bool(req.logprobs)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            R.chat_chunks(rid, req.model, created, choices, len(prompt), logprobs, include_usage),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+    return R.chat_completion(rid, req.model, created, choices, len(prompt), logprobs)
+
+
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise InvalidRequestError("prompt: must not be empty")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]  # one prompt given as token ids
+    if len(p) > MAX_PROMPTS:
+        raise InvalidRequestError(f"prompt: at most {MAX_PROMPTS} prompts per request")
+    return list(p)
+
+
+@router.post("/completions")
+async def completions(
+    req: CompletionRequest,
+    who: PrincipalDep,
+    db: DbDep,
+    engine: EngineDep,
+    config: ConfigDep,
+    limiter: SamplingLimiterDep,
+):
+    _check_unsupported(req)
+    stops = req.stop_strings()
+    prompts = _prompts(req)
+    target = resolve_model(db, who, engine, req.model)
+    choices: list[R.Choice] = []
+    prompt_tokens = 0
+    async with limiter.acquire(who.user_id):
+        for k, p in enumerate(prompts):
+            field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            try:
+                tokens = (
+                    await engine.sampler(target.base_model, "encode_text", p)
+                    if isinstance(p, str)
+                    else p
+                )
+            except UserInputError as exc:
+                raise _as_invalid(exc, field) from None
+            if not tokens:
+                raise InvalidRequestError(f"{field}: must contain at least one token")
+            prompt_tokens += len(tokens)
+            max_tokens = _max_tokens(
+                req.max_tokens,
+                DEFAULT_COMPLETION_MAX_TOKENS,
+                len(tokens),
+                config,
+                target.base_model,
+            )
+            params = _params(req, max_tokens, stops)
+            choices += await _sample(engine, target, tokens, req.n, params, stops, k * req.n, field)
+    rid, created = R.new_id("cmpl"), R.now()
+    logprobs = req.logprobs is not None
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            R.completion_chunks(
+                rid, req.model, created, choices, prompt_tokens, logprobs, include_usage
+            ),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+    return R.completion(rid, req.model, created, choices, prompt_tokens, logprobs)

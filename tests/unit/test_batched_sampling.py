@@ -1,0 +1,366 @@
+"""Batched sampling: `TorchSamplingBackend.sample_many` (many tenants/adapters in one decode loop)
+equals sampling each request alone; per-request errors, prompt logprobs, adapter-cache pinning;
+the Sampler service coalesces concurrent requests into batches."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.backends.lora import (
+    adapter_parameters,
+    add_adapter,
+    inject_multi_lora,
+    lora_layers,
+    save_adapter,
+)
+from engine.backends.sampler_decode import adapter_segments
+from engine.backends.torch_sampler import TorchSamplingBackend
+from engine.backends.transformers_backend import TransformersTrainingBackend
+from engine.errors import CheckpointError, EngineError, UserInputError
+from engine.protocol import (
+    AdamParams,
+    DatumInput,
+    ForwardBackwardInput,
+    LoraSpec,
+    SampleInput,
+    SampleOutput,
+    SamplingParams,
+)
+from engine.sampler import Sampler
+
+TEXTS = [
+    "User: what is 12 plus 13? Assistant:",
+    "User: describe Alice's pet. Assistant:",
+    "User: hi",
+    "User: what is the capital of France? Assistant: The capital",
+    "Alice",
+    "User: tell me a long story about a red cat that likes to sleep in the sun. Assistant:",
+]
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_model_dir: Path) -> TorchSamplingBackend:
+    return TorchSamplingBackend(str(tiny_model_dir))
+
+
+def _perturbed(model_dir: Path, out: Path, seed: int, spec: LoraSpec) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    inject_multi_lora(model)
+    add_adapter(model, "p", spec)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for k, p in adapter_parameters(model, "p").items():
+            if "lora_B" in k:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    save_adapter(model, "p", spec, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path, tmp_path_factory, sampler) -> list[Path]:
+    """Four checkpoints: one trained by the training backend, three perturbed with different
+    ranks and target sets."""
+    root = tmp_path_factory.mktemp("batched-ckpt")
+    be = TransformersTrainingBackend(str(tiny_model_dir))
+    be.create_adapter("t", LoraSpec(rank=8, seed=1))
+    data = []
+    for text in ("User: what is 12 plus 13? Assistant: 25.", "User: hi Assistant: hello!"):
+        ids = np.array(sampler.tokenizer(text)["input_ids"])
+        data.append(
+            DatumInput(
+                ids[:-1].tolist(), {"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1)}
+            )
+        )
+    for _ in range(30):
+        be.forward_backward("t", ForwardBackwardInput(data=data))
+        be.optim_step("t", AdamParams(learning_rate=5e-3, grad_clip_norm=1.0))
+    trained = root / "trained"
+    be.save_state("t", str(trained), include_optimizer=False)
+    specs = [
+        LoraSpec(rank=4, alpha=8.0, seed=5),
+        LoraSpec(rank=2, alpha=4.0, seed=6, train_mlp=False),
+        LoraSpec(rank=16, alpha=16.0, seed=7, train_attn=False, train_unembed=False),
+    ]
+    return [trained] + [
+        _perturbed(tiny_model_dir, root / f"perturbed-{i}", 10 + i, spec)
+        for i, spec in enumerate(specs)
+    ]
+
+
+def _inp(sampler, text_or_ids, adapter=None, n=1, prompt_logprobs=False, **params) -> SampleInput:
+    prompt = (
+        sampler.tokenizer(text_or_ids)["input_ids"] if isinstance(text_or_ids, str) else text_or_ids
+    )
+    return SampleInput(
+        prompt_tokens=prompt,
+        num_samples=n,
+        params=SamplingParams(**params),
+        prompt_logprobs=prompt_logprobs,
+        adapter_dir=str(adapter) if adapter else None,
+    )
+
+
+def _assert_same(batched: SampleOutput, alone: SampleOutput, *, check_logprobs=True) -> None:
+    assert len(batched.sequences) == len(alone.sequences)
+    for b, a in zip(batched.sequences, alone.sequences, strict=True):
+        assert b.tokens == a.tokens
+        assert b.stop_reason == a.stop_reason
+        assert len(b.logprobs) == len(b.tokens)
+        if check_logprobs:
+            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+    if alone.prompt_logprobs is None:
+        assert batched.prompt_logprobs is None
+    else:
+        np.testing.assert_allclose(
+            batched.prompt_logprobs, alone.prompt_logprobs, atol=1e-5, rtol=0
+        )  # NaN at 0 in both (assert_allclose treats NaN == NaN)
+
+
+def _greedy_requests(sampler, adapters) -> list[SampleInput]:
+    """16 greedy requests: 3 per adapter + 4 base, prompts of different lengths, interleaved
+    adapters, some with several samples, different max_tokens, one with a stop string."""
+    owners = [None] + list(adapters)
+    reqs = []
+    for k in range(16):
+        owner = owners[k % 5] if k < 15 else None
+        reqs.append(
+            _inp(
+                sampler,
+                TEXTS[k % len(TEXTS)],
+                owner,
+                n=1 + (k % 3 == 0),
+                max_tokens=24 - (k % 4) * 5,
+                temperature=0.0,
+                stop_strings=["Paris"] if k == 7 else [],
+            )
+        )
+    return reqs
+
+
+def test_16_greedy_requests_over_4_adapters_equal_one_by_one(sampler, adapters) -> None:
+    reqs = _greedy_requests(sampler, adapters)
+    assert len({r.adapter_dir for r in reqs}) == 5 and len({len(r.prompt_tokens) for r in reqs}) > 4
+    alone = [sampler.sample(r) for r in reqs]
+    batched = sampler.sample_many(reqs)
+    for b, a in zip(batched, alone, strict=True):
+        _assert_same(b, a)
+    # the adapters really differ from the base and from each other
+    same_prompt = [
+        _inp(sampler, TEXTS[0], a, max_tokens=12, temperature=0.0) for a in [None, *adapters]
+    ]
+    assert len({tuple(o.sequences[0].tokens) for o in sampler.sample_many(same_prompt)}) == 5
+    # and a different composition (reversed, duplicated) gives the same again
+    again = sampler.sample_many(list(reversed(reqs)) + reqs[:3])
+    for b, a in zip(again[:16], reversed(alone), strict=True):
+        _assert_same(b, a)
+    for b, a in zip(again[16:], alone[:3], strict=True):
+        _assert_same(b, a)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(sampler, adapters) -> None:
+    owners = [None] + list(adapters)
+    reqs = [
+        _inp(
+            sampler,
+            TEXTS[k % len(TEXTS)],
+            owners[k % 5],
+            n=1 + k % 3,
+            max_tokens=16,
+            temperature=(0.7, 1.0, 1.3)[k % 3],
+            top_k=(-1, 50, 8)[k % 3],
+            top_p=(1.0, 0.9, 0.95)[k % 3],
+            seed=100 + k,
+            stop_strings=["e"] if k % 4 == 1 else [],
+        )
+        for k in range(12)
+    ]
+    alone = [sampler.sample(r) for r in reqs]
+    mixed = reqs + [_inp(sampler, TEXTS[0], adapters[0], max_tokens=8, temperature=0.0)]
+    for b, a in zip(sampler.sample_many(mixed)[:-1], alone, strict=True):
+        _assert_same(b, a)
+    for b, a in zip(sampler.sample_many(reqs[::-1]), alone[::-1], strict=True):
+        _assert_same(b, a)
+    assert any(len({tuple(s.tokens) for s in a.sequences}) > 1 for a in alone)
+
+
+def test_errors_stay_in_their_slot_and_prompt_logprobs_per_request(
+    sampler, adapters, tmp_path
+) -> None:
+    good = [
+        _inp(sampler, TEXTS[0], adapters[1], max_tokens=6, temperature=0.0, prompt_logprobs=True),
+        _inp(sampler, TEXTS[1], None, n=2, max_tokens=5, temperature=0.0),
+        _inp(sampler, TEXTS[3], adapters[2], max_tokens=7, temperature=0.0, prompt_logprobs=True),
+        _inp(sampler, [5], adapters[0], max_tokens=3, temperature=0.0, prompt_logprobs=True),
+    ]
+    bad = [
+        _inp(sampler, [1, 99999], max_tokens=4),
+        _inp(sampler, TEXTS[0], tmp_path / "missing", max_tokens=4),
+        _inp(sampler, TEXTS[0], max_tokens=0),
+    ]
+    mixed = [bad[0], good[0], bad[1], good[1], good[2], bad[2], good[3]]
+    out = sampler.sample_many(mixed)
+    assert isinstance(out[0], UserInputError) and "position 1" in str(out[0])
+    assert isinstance(out[2], CheckpointError)
+    assert isinstance(out[5], UserInputError) and "max_tokens" in str(out[5])
+    for b, inp in zip([out[1], out[3], out[4], out[6]], good, strict=True):
+        a = sampler.sample(inp)
+        _assert_same(b, a)
+        if inp.prompt_logprobs:
+            assert len(b.prompt_logprobs) == len(inp.prompt_tokens)
+            assert np.isnan(b.prompt_logprobs[0]) and np.isfinite(b.prompt_logprobs[1:]).all()
+        else:
+            assert b.prompt_logprobs is None
+    assert all(isinstance(r, EngineError) for r in sampler.sample_many(bad))
+    assert sampler.sample_many([]) == []
+
+
+def test_more_adapters_than_the_cache_holds(tiny_model_dir, sampler, adapters) -> None:
+    reqs = [
+        _inp(sampler, TEXTS[k], a, max_tokens=6, temperature=0.0) for k, a in enumerate(adapters)
+    ]
+    expect = sampler.sample_many(reqs)
+    small = TorchSamplingBackend(str(tiny_model_dir), max_cached_adapters=1)
+    got = small.sample_many(reqs + reqs[:1])
+    for b, a in zip(got, expect + expect[:1], strict=True):
+        _assert_same(b, a)
+    assert small.cached_adapter_dirs() == [str(adapters[0].resolve())]  # used last
+    loaded = {aid for layer in lora_layers(small.model) for aid in layer.adapters}
+    assert len(loaded) == 1  # the others were unloaded after the batch
+
+
+def test_adapter_segments() -> None:
+    assert adapter_segments([None, None, "a", "a", "b", None, "b"]) == [
+        ("a", 2, 4),
+        ("b", 4, 5),
+        ("b", 6, 7),
+    ]
+    assert adapter_segments([]) == [] and adapter_segments([None]) == []
+
+
+# ----------------------------------------------------------------------------------- Sampler
+
+
+class _GatedBackend:
+    """Wraps a real backend; the first batch waits on ``gate`` so later requests queue up."""
+
+    def __init__(self, inner: TorchSamplingBackend) -> None:
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+        self.gate = threading.Event()
+        self.batches: list[int] = []
+
+    def sample(self, inp):
+        return self.inner.sample(inp)
+
+    def sample_many(self, inputs):
+        self.gate.wait(timeout=30)
+        self.batches.append(len(inputs))
+        return self.inner.sample_many(inputs)
+
+
+def _service(backend, **kw) -> Sampler:
+    return Sampler({"name": "twinkle/tiny-chat"}, "/nonexistent", backend=backend, **kw)
+
+
+async def _queue_then_open(svc: Sampler, gated: _GatedBackend, reqs):
+    first = asyncio.ensure_future(svc.sample(reqs[0]))
+    await asyncio.sleep(0.05)  # the worker has taken the first request and waits at the gate
+    rest = [asyncio.ensure_future(svc.sample(r)) for r in reqs[1:]]
+    await asyncio.sleep(0.05)
+    gated.gate.set()
+    return await asyncio.gather(first, *rest, return_exceptions=True)
+
+
+def test_sampler_batches_concurrent_requests(sampler, adapters) -> None:
+    reqs = _greedy_requests(sampler, adapters)[:9]
+    reqs.insert(4, _inp(sampler, [1, 99999], max_tokens=4))  # one bad request among them
+    gated = _GatedBackend(sampler)
+    svc = _service(gated, max_batch_rows=8)
+    try:
+        results = asyncio.run(_queue_then_open(svc, gated, reqs))
+        stats = asyncio.run(svc.stats())
+        info = asyncio.run(svc.info())
+    finally:
+        svc.close()
+    assert isinstance(results[4], UserInputError)
+    for res, inp in zip(results, reqs, strict=True):
+        if inp is not reqs[4]:
+            _assert_same(res, sampler.sample(inp))
+    # rows 2 | 1,1,2,1,1,1 | 2,1,1: the first waits alone at the gate, then batches of <= 8 rows
+    assert [r.num_samples for r in reqs] == [2, 1, 1, 2, 1, 1, 1, 2, 1, 1]
+    assert gated.batches == [1, 6, 3]
+    assert stats["batches"] == 3 and stats["requests"] == 10 and stats["rows"] == 13
+    assert stats["mean_batch_rows"] == pytest.approx(13 / 3) and stats["max_batch_rows_seen"] == 7
+    assert info == {"base_model": "twinkle/tiny-chat", "vocab_size": sampler.vocab_size}
+
+
+def test_sampler_isolates_an_unexpected_batch_failure(sampler) -> None:
+    class Flaky:
+        vocab_size = sampler.vocab_size
+
+        def sample_many(self, inputs):
+            raise RuntimeError("boom")
+
+        def sample(self, inp):
+            if inp.params.max_tokens == 3:
+                raise RuntimeError("bad one")
+            return sampler.sample(inp)
+
+    svc = _service(Flaky())
+    ok = _inp(sampler, TEXTS[0], max_tokens=4, temperature=0.0)
+    bad = _inp(sampler, TEXTS[0], max_tokens=3, temperature=0.0)
+
+    async def go():
+        return await asyncio.gather(svc.sample(ok), svc.sample(bad), return_exceptions=True)
+
+    try:
+        res = asyncio.run(go())
+    finally:
+        svc.close()
+    assert isinstance(res[1], RuntimeError)
+    _assert_same(res[0], sampler.sample(ok))
+
+
+def test_sampler_default_backend_path_and_close(tiny_model_dir, sampler) -> None:
+    svc = Sampler(
+        {"name": "twinkle/tiny-chat", "path": str(tiny_model_dir)}, str(tiny_model_dir.parent)
+    )
+    inp = _inp(sampler, TEXTS[2], max_tokens=5, temperature=0.0)
+
+    async def go():
+        return await asyncio.gather(*(svc.sample(inp) for _ in range(4)))
+
+    t0 = time.monotonic()
+    outs = asyncio.run(go())
+    assert time.monotonic() - t0 < 60
+    for o in outs:
+        _assert_same(o, sampler.sample(inp))
+    stats = asyncio.run(svc.stats())
+    assert stats["requests"] == 4 and 1 <= stats["batches"] <= 4
+    svc.close()
+    svc.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(svc.sample(inp))
+
+
+def test_sampler_builds_its_backend_on_the_worker_thread(tiny_model_dir, tmp_path) -> None:
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        Sampler({"name": "x/y", "path": str(tmp_path / "nope")}, str(tmp_path))
+    svc = Sampler({"name": "x/y", "path": str(tiny_model_dir)}, str(tmp_path))
+    try:
+        assert isinstance(svc.backend, TorchSamplingBackend)
+        assert asyncio.run(svc.info())["vocab_size"] == svc.backend.vocab_size
+    finally:
+        svc.close()
