@@ -6,6 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+# System services the tests and a multi-replica gateway use: redis-server (Postgres 15 ships with
+# these machines). Installed with apt when missing and we may (root or sudo); 6 s.
+if ! command -v redis-server >/dev/null; then
+  SUDO=(); [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO=(sudo -n)
+  if [[ $(id -u) -eq 0 || ${#SUDO[@]} -gt 0 ]] && command -v apt-get >/dev/null; then
+    echo "[install] apt-get install redis-server" >&2
+    "${SUDO[@]}" apt-get install -y -q redis-server >/dev/null 2>&1 \
+      || { "${SUDO[@]}" apt-get update -q >/dev/null && "${SUDO[@]}" apt-get install -y -q redis-server >/dev/null; }
+  else
+    echo "[install] warning: redis-server missing and apt-get unavailable; Redis tests will skip" >&2
+  fi
+fi
 STAMP=.venv/.twinkle-installed
 WANT=$(cat constraints.txt pyproject.toml client/pyproject.toml | sha256sum | cut -c1-16)
 if [[ -f $STAMP && $(cat $STAMP) == "$WANT" && -x .venv/bin/twinkle ]]; then

@@ -1,0 +1,45 @@
+"""Session fixtures shared by every test layer: real redis-server and Postgres (tests/services.py)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests import services
+
+
+def _missing(what: str, exc: Exception) -> None:
+    # Under CI a missing service is a broken install, never a silent skip.
+    if os.environ.get("CI"):
+        raise exc
+    pytest.skip(f"{what} not available: {exc}")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a real redis-server started for this test session (flushed by users as needed)."""
+    try:
+        cm = services.run_redis()
+        url = cm.__enter__()
+    except (FileNotFoundError, RuntimeError) as exc:
+        _missing("redis-server", exc)
+    try:
+        yield url
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """SQLAlchemy URL of a real Postgres cluster started for this test session."""
+    try:
+        cm = services.run_postgres()
+        url = cm.__enter__()
+    except (FileNotFoundError, RuntimeError, OSError) as exc:
+        _missing("postgres", exc)
+    try:
+        yield url
+    finally:
+        cm.__exit__(None, None, None)
