@@ -108,3 +108,14 @@ def test_auto_execution_measures_and_chooses(tiny_model_dir, tmp_path):
     tr = Trainer(_cfg(tiny_model_dir, execution="auto"), str(tmp_path))
     assert tr.execution["mode"] in ("fused", "sequential")
     assert not [a for a in getattr(tr.backend, "_adapters", {}) if a.startswith("__costmodel")]
+
+
+def test_cost_probe_is_shaped_like_real_jobs(tiny_model_dir, tmp_path):
+    # The probe must time work like the replica's real jobs (a slice of 128-token rows, several
+    # adapters), not a toy batch: on the tiny model 2x(2x64) favours fused, real batches do not.
+    tr = Trainer(_cfg(tiny_model_dir, execution="sequential"), str(tmp_path))
+    shape = tr._probe_shape()
+    assert shape["n_adapters"] == 4 and shape["seq_len"] == 128
+    assert shape["batch"] * shape["seq_len"] == min(tr.model.slice_tokens, 512)
+    small = Trainer(_cfg(tiny_model_dir, execution="sequential", slice_tokens=72), str(tmp_path))
+    assert small._probe_shape()["batch"] == 1
