@@ -115,3 +115,13 @@ class SampleOutput:
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float] | None = None
+
+
+@dataclass
+class SampleDelta:
+    """A piece of a streamed sample (`Sampler.sample_stream`): new tokens and their logprobs per
+    sample index, or, in the last delta, ``final``: the whole output (which supersedes them)."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    final: SampleOutput | None = None

@@ -14,17 +14,21 @@ runs wait for the next batch. Each request gets its own result or error.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import numbers
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 
 from engine.backends.base import SamplingBackend
 from engine.config import ModelConfig
-from engine.protocol import SampleInput, SampleOutput
+from engine.protocol import SampleDelta, SampleInput, SampleOutput
 
 DEFAULT_MAX_BATCH_ROWS = 64
+
+#: ``listener(sample_index, token, logprob)``, called on the sampling thread per generated token
+Listener = Callable[[int, int, float], None]
 
 
 def build_sampling_backend(model: ModelConfig, data_dir: str) -> SamplingBackend:
@@ -32,6 +36,13 @@ def build_sampling_backend(model: ModelConfig, data_dir: str) -> SamplingBackend
     from engine.models.registry import resolve_model_dir
 
     return TorchSamplingBackend(str(resolve_model_dir(model.name, data_dir, model.path)))
+
+
+def _takes_listeners(sample_many) -> bool:
+    try:
+        return "listeners" in inspect.signature(sample_many).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _rows(inp: SampleInput) -> int:
@@ -51,7 +62,7 @@ class Sampler:
     ) -> None:
         self.model = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
         self.max_batch_rows = max(1, int(max_batch_rows))
-        self._queue: deque[tuple[SampleInput, Future]] = deque()
+        self._queue: deque[tuple[SampleInput, Future, Listener | None]] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self._batches = 0
@@ -73,16 +84,65 @@ class Sampler:
     async def info(self) -> dict:
         return {"base_model": self.model.name, "vocab_size": self.backend.vocab_size}
 
-    async def sample(self, inp: SampleInput) -> SampleOutput:
+    def _submit(self, inp: SampleInput, listener: Listener | None = None) -> Future:
         fut: Future = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("Sampler is closed")
-            self._queue.append((inp, fut))
+            self._queue.append((inp, fut, listener))
         # Wake the worker at the end of this event-loop iteration, not now: requests that arrive
         # together (tasks ready in the same iteration) are then all queued and form one batch.
         asyncio.get_running_loop().call_soon(self._wake)
-        return await asyncio.wrap_future(fut)
+        return fut
+
+    async def sample(self, inp: SampleInput) -> SampleOutput:
+        return await asyncio.wrap_future(self._submit(inp))
+
+    async def sample_stream(self, inp: SampleInput) -> AsyncIterator[SampleDelta]:
+        """Like `sample`, but yields the tokens as they are generated: `SampleDelta`s with the new
+        tokens and logprobs per sample index (whatever arrived since the last yield, so a slow
+        consumer gets bigger deltas, never a backlog), then one with ``final`` set to the whole
+        `SampleOutput`. A request that fails raises its error instead. Batched with every other
+        request exactly like `sample` (Ray Serve streams it with ``handle.options(stream=True)``).
+        A backend without token callbacks yields only the final delta."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def listener(s: int, tok: int, lp: float) -> None:  # on the sampling thread
+            loop.call_soon_threadsafe(events.put_nowait, (s, tok, lp))
+
+        fut = self._submit(inp, listener)
+        done = asyncio.wrap_future(fut)
+        try:
+            async for delta in self._deltas(events, done):
+                yield delta
+        finally:
+            fut.cancel()  # a consumer that went away: no work if the batch has not started
+
+    @staticmethod
+    async def _deltas(events: asyncio.Queue, done: asyncio.Future) -> AsyncIterator[SampleDelta]:
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+            items = []
+            if getter.done():
+                items.append(getter.result())
+            else:
+                getter.cancel()
+            while not events.empty():
+                items.append(events.get_nowait())
+            if items:
+                delta = SampleDelta()
+                for s, tok, lp in items:
+                    delta.tokens.setdefault(s, []).append(tok)
+                    delta.logprobs.setdefault(s, []).append(lp)
+                if not done.done():
+                    yield delta
+                    continue
+            if done.done():
+                # the final output holds every token; pending deltas are superseded by it
+                yield SampleDelta(final=done.result())
+                return
 
     def _wake(self) -> None:
         with self._cond:
@@ -113,7 +173,7 @@ class Sampler:
 
     # ------------------------------------------------------------------------------- worker
 
-    def _next_batch(self) -> list[tuple[SampleInput, Future]] | None:
+    def _next_batch(self) -> list[tuple[SampleInput, Future, Listener | None]] | None:
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
@@ -140,20 +200,24 @@ class Sampler:
                 return
         while (batch := self._next_batch()) is not None:
             # a future cancelled before the batch started needs no work
-            live = [(inp, fut) for inp, fut in batch if fut.set_running_or_notify_cancel()]
+            live = [item for item in batch if item[1].set_running_or_notify_cancel()]
             if not live:
                 continue
-            results = self._execute([inp for inp, _ in live])
-            for (_, fut), res in zip(live, results, strict=True):
+            results = self._execute([inp for inp, _, _ in live], [lis for _, _, lis in live])
+            for (_, fut, _), res in zip(live, results, strict=True):
                 if isinstance(res, BaseException):
                     fut.set_exception(res)
                 else:
                     fut.set_result(res)
 
-    def _execute(self, inputs: Sequence[SampleInput]) -> list[SampleOutput | BaseException]:
+    def _execute(
+        self, inputs: Sequence[SampleInput], listeners: Sequence[Listener | None]
+    ) -> list[SampleOutput | BaseException]:
         sample_many = getattr(self.backend, "sample_many", None)
         if sample_many is not None:
             try:
+                if any(lis is not None for lis in listeners) and _takes_listeners(sample_many):
+                    return list(sample_many(inputs, listeners))
                 return list(sample_many(inputs))
             except Exception as e:  # noqa: BLE001 (an unexpected failure of the whole batch)
                 if len(inputs) == 1:

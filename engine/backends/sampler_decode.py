@@ -60,6 +60,9 @@ class RequestState:
     logprobs: list[list[float]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
+    #: called as ``listener(sample_index, token, logprob)`` for each token as it is generated
+    #: (on the decoding thread), for streaming; None when nobody listens
+    listener: Callable[[int, int, float], None] | None = None
 
     def __post_init__(self) -> None:
         n = self.inp.num_samples
@@ -182,6 +185,8 @@ def decode_batch(
             toks = r.tokens[s]
             toks.append(tok)
             r.logprobs[s].append(lpv)
+            if r.listener is not None:
+                r.listener(s, tok, lpv)
             if tok in r.stop_ids or (r.stops and hits_stop(toks, r.stops, r.window)):
                 r.reasons[s] = "stop"  # a finished row stops growing
             elif len(toks) < max_tokens[row_req[j]]:

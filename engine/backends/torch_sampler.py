@@ -14,7 +14,7 @@ import math
 import numbers
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 
@@ -191,8 +191,15 @@ class TorchSamplingBackend(SamplingBackend):
         )
 
     @torch.no_grad()
-    def sample_many(self, inputs: Sequence[SampleInput]) -> list[SampleOutput | EngineError]:
+    def sample_many(
+        self,
+        inputs: Sequence[SampleInput],
+        listeners: Sequence[Callable[[int, int, float], None] | None] | None = None,
+    ) -> list[SampleOutput | EngineError]:
         """Decode all ``inputs`` (any adapters, prompt lengths and params) in one batch.
+
+        ``listeners[i]``, when given, is called with (sample index, token, logprob) for each token
+        of input i as soon as it is generated (streaming).
 
         Slot i gets input i's output, or the EngineError that input alone raised (validation,
         a missing or bad checkpoint); a failing input does not stop the others. Every output
@@ -205,7 +212,9 @@ class TorchSamplingBackend(SamplingBackend):
         try:
             for i, inp in enumerate(inputs):
                 try:
-                    ready.append((i, self._prepare(inp, pinned)))
+                    state = self._prepare(inp, pinned)
+                    state.listener = listeners[i] if listeners is not None else None
+                    ready.append((i, state))
                 except EngineError as e:
                     results[i] = e
             # adapter order (base rows first, then adapters in order of first appearance), then

@@ -3,9 +3,8 @@
 `finish()` turns one sampled sequence (token ids, logprobs, the engine's stop reason) plus the text
 each token adds into a `Choice`: the text is cut at the first stop string (OpenAI semantics: the
 stop string is not returned), tokens after the cut are dropped from the logprobs, and the finish
-reason is "stop" or "length". The builders below render choices as OpenAI's JSON shapes, whole or
-as SSE chunks (the engine generates the whole sequence first; the chunks are emitted at the end,
-one per token that adds text).
+reason is "stop" or "length". The builders below render choices as OpenAI's JSON shapes; streaming
+(SSE chunks as tokens are generated) is `streaming`, which ends with the same `finish`.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -99,65 +97,6 @@ def chat_completion(
     }
 
 
-def _token_groups(c: Choice) -> Iterator[tuple[int, int]]:
-    """[lo, hi) token ranges, each ending with a token that adds text (held-back tokens of a
-    multi-byte character ride with the token that completes it)."""
-    lo = 0
-    for i, piece in enumerate(c.pieces):
-        if piece:
-            yield lo, i + 1
-            lo = i + 1
-    if lo < len(c.pieces):
-        yield lo, len(c.pieces)
-
-
-def chat_chunks(
-    rid: str,
-    model: str,
-    created: int,
-    choices: list[Choice],
-    prompt_tokens: int,
-    logprobs: bool,
-    include_usage: bool,
-) -> Iterator[bytes]:
-    def chunk(index: int, delta: dict, finish_reason=None, lps=None) -> bytes:
-        body = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": [
-                {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
-            ],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
-
-    for c in choices:
-        yield chunk(c.index, {"role": "assistant", "content": ""})
-        for lo, hi in _token_groups(c):
-            text = "".join(c.pieces[lo:hi])
-            yield chunk(
-                c.index, {"content": text}, lps=chat_logprobs(c, lo, hi) if logprobs else None
-            )
-        yield chunk(c.index, {}, finish_reason=c.finish_reason)
-    if include_usage:
-        yield sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "system_fingerprint": None,
-                "choices": [],
-                "usage": usage(prompt_tokens, choices),
-            }
-        )
-    yield sse("[DONE]")
-
-
 # ---------------------------------------------------------------------------------- completions
 
 
@@ -197,50 +136,6 @@ def completion(
         ],
         "usage": usage(prompt_tokens, choices),
     }
-
-
-def completion_chunks(
-    rid: str,
-    model: str,
-    created: int,
-    choices: list[Choice],
-    prompt_tokens: int,
-    logprobs: bool,
-    include_usage: bool,
-) -> Iterator[bytes]:
-    def chunk(index: int, text: str, finish_reason=None, lps=None) -> bytes:
-        body = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": [
-                {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
-            ],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
-
-    for c in choices:
-        for lo, hi in _token_groups(c):
-            text = "".join(c.pieces[lo:hi])
-            yield chunk(c.index, text, lps=completion_logprobs(c, lo, hi) if logprobs else None)
-        yield chunk(c.index, "", finish_reason=c.finish_reason)
-    if include_usage:
-        yield sse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "system_fingerprint": None,
-                "choices": [],
-                "usage": usage(prompt_tokens, choices),
-            }
-        )
-    yield sse("[DONE]")
 
 
 def now() -> int:

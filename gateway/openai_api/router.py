@@ -23,6 +23,7 @@ from gateway.checkpoints import readable_checkpoint
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.openai_api import responses as R
+from gateway.openai_api import streaming as S
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from gateway.sampling_limits import SamplingLimiterDep
 from gateway.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
@@ -160,6 +161,16 @@ def _check_unsupported(req) -> None:
         raise InvalidRequestError(f"{'; '.join(bad)}: not supported by this server")
 
 
+def _sample_input(target: Target, prompt: list[int], n: int, params: SamplingParams) -> SampleInput:
+    return SampleInput(
+        prompt_tokens=prompt, num_samples=n, params=params, adapter_dir=target.adapter_dir
+    )
+
+
+def _engine_error(exc, field: str) -> Exception:
+    return _as_invalid(exc, field) if isinstance(exc, UserInputError) else exc
+
+
 async def _sample(
     engine,
     target: Target,
@@ -170,13 +181,17 @@ async def _sample(
     first_index: int,
     prompt_field: str,
 ) -> list[R.Choice]:
-    inp = SampleInput(
-        prompt_tokens=prompt, num_samples=n, params=params, adapter_dir=target.adapter_dir
-    )
+    inp = _sample_input(target, prompt, n, params)
+    return await _run(engine, target, inp, stops, first_index, prompt_field)
+
+
+async def _run(
+    engine, target: Target, inp: SampleInput, stops: list[str], first_index: int, field: str
+) -> list[R.Choice]:
     try:
         out = await engine.sampler(target.base_model, "sample", inp)
     except UserInputError as exc:
-        raise _as_invalid(exc, prompt_field) from None
+        raise _as_invalid(exc, field) from None
     choices = []
     for j, seq in enumerate(out.sequences):
         pieces = await engine.sampler(target.base_model, "decode_pieces", list(seq.tokens))
@@ -217,7 +232,8 @@ async def chat_completions(
     stops = req.stop_strings()
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     target = resolve_model(db, who, engine, req.model)
-    async with limiter.acquire(who.user_id):
+    slot = limiter.acquire(who.user_id)
+    try:
         try:
             prompt = await engine.sampler(target.base_model, "encode_chat", messages)
         except UserInputError as exc:
@@ -227,15 +243,24 @@ async def chat_completions(
             explicit, DEFAULT_CHAT_MAX_TOKENS, len(prompt), config, target.base_model
         )
         params = _params(req, max_tokens, stops)
+        rid, created, logprobs = R.new_id("chatcmpl"), R.now(), bool(req.logprobs)
+        if req.stream:
+            inp = _sample_input(target, prompt, req.n, params)
+            events = await S.open_stream(
+                S.sample_events(engine, target.base_model, inp, stops, 0),
+                lambda exc: _engine_error(exc, "messages"),
+            )
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            stream = S.chat_sse(
+                rid, req.model, created, req.n, events, len(prompt), logprobs, include_usage,
+                slot.release,
+            )
+            return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
         choices = await _sample(engine, target, prompt, req.n, params, stops, 0, "messages")
-    rid, created, logprobs = R.new_id("chatcmpl"), R.now(), bool(req.logprobs)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
-            R.chat_chunks(rid, req.model, created, choices, len(prompt), logprobs, include_usage),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
+    except BaseException:
+        slot.release()
+        raise
+    slot.release()
     return R.chat_completion(rid, req.model, created, choices, len(prompt), logprobs)
 
 
@@ -265,9 +290,12 @@ async def completions(
     stops = req.stop_strings()
     prompts = _prompts(req)
     target = resolve_model(db, who, engine, req.model)
-    choices: list[R.Choice] = []
-    prompt_tokens = 0
-    async with limiter.acquire(who.user_id):
+    rid, created = R.new_id("cmpl"), R.now()
+    logprobs = req.logprobs is not None
+    slot = limiter.acquire(who.user_id)
+    try:
+        inputs: list[tuple[str, SampleInput]] = []
+        prompt_tokens = 0
         for k, p in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
             try:
@@ -289,16 +317,30 @@ async def completions(
                 target.base_model,
             )
             params = _params(req, max_tokens, stops)
-            choices += await _sample(engine, target, tokens, req.n, params, stops, k * req.n, field)
-    rid, created = R.new_id("cmpl"), R.now()
-    logprobs = req.logprobs is not None
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
-            R.completion_chunks(
-                rid, req.model, created, choices, prompt_tokens, logprobs, include_usage
-            ),
-            media_type="text/event-stream",
-            headers=_SSE_HEADERS,
-        )
+            inputs.append((field, _sample_input(target, tokens, req.n, params)))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = await S.open_stream(
+                _chain_events(engine, target, inputs, stops, req.n),
+                lambda exc: _engine_error(exc, inputs[0][0]),
+            )
+            stream = S.completion_sse(
+                rid, req.model, created, events, prompt_tokens, logprobs, include_usage,
+                slot.release,
+            )
+            return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
+        choices: list[R.Choice] = []
+        for k, (field, inp) in enumerate(inputs):
+            choices += await _run(engine, target, inp, stops, k * req.n, field)
+    except BaseException:
+        slot.release()
+        raise
+    slot.release()
     return R.completion(rid, req.model, created, choices, prompt_tokens, logprobs)
+
+
+async def _chain_events(engine, target: Target, inputs, stops: list[str], n: int):
+    """The prompts of one /v1/completions request, streamed one after another."""
+    for k, (_field, inp) in enumerate(inputs):
+        async for ev in S.sample_events(engine, target.base_model, inp, stops, k * n):
+            yield ev

@@ -55,6 +55,12 @@ class GatedEngineClient(EngineClient):
             await asyncio.to_thread(self.gate.wait, 30)
         return await super().sampler(base_model, method, *args)
 
+    async def sampler_stream(self, base_model: str, method: str, *args):
+        self.entered.release()
+        await asyncio.to_thread(self.gate.wait, 30)
+        async for item in super().sampler_stream(base_model, method, *args):
+            yield item
+
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -518,3 +524,29 @@ def test_finish_cuts_at_the_first_stop_and_drops_later_tokens():
     assert c.text == "aéb" and c.pieces == ["a", "", "é", "b"] and c.finish_reason == "length"
     c = responses.finish(0, ["x", ""], [-1, -2], "stop", [])  # trailing EOS adds no text
     assert c.pieces == ["x"] and c.n_tokens == 2
+
+
+def test_streaming_is_incremental_and_equals_the_whole_text(env):
+    """Chunks are sent while the engine is still generating: the first content arrives well
+    before the last, in many chunks, and together they equal the non-streamed text (a stop string
+    that is cut must never have been sent)."""
+    kw = dict(model=BASE, messages=MESSAGES, max_tokens=96, temperature=0)
+    whole = oai(env).chat.completions.create(**kw).choices[0].message.content
+    t0 = time.perf_counter()
+    arrivals: list[tuple[float, str]] = []
+    for c in oai(env).chat.completions.create(**kw, stream=True):
+        if c.choices and c.choices[0].delta.content:
+            arrivals.append((time.perf_counter() - t0, c.choices[0].delta.content))
+    assert "".join(t for _, t in arrivals) == whole
+    assert len(arrivals) >= 5, arrivals
+    first, last = arrivals[0][0], arrivals[-1][0]
+    assert first < 0.6 * last, (first, last)  # not all at the end
+    # a stop string in the middle of the generated text: streamed == cut text, nothing past it
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    cut = oai(env).chat.completions.create(**kw, stop=[stop]).choices[0].message.content
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in oai(env).chat.completions.create(**kw, stop=[stop], stream=True)
+        if c.choices
+    )
+    assert streamed == cut and stop not in streamed

@@ -364,3 +364,43 @@ def test_sampler_builds_its_backend_on_the_worker_thread(tiny_model_dir, tmp_pat
         assert asyncio.run(svc.info())["vocab_size"] == svc.backend.vocab_size
     finally:
         svc.close()
+
+
+def test_sample_stream_yields_tokens_as_generated_and_equals_sample(sampler, adapters) -> None:
+    """Streaming: several deltas arrive before the end, their tokens are a prefix of the final
+    output, and the final output equals `sample` of the same request (here batched together with
+    a non-streaming request on another adapter)."""
+    reqs = _greedy_requests(sampler, adapters)
+    streamed, other = reqs[1], reqs[2]
+    seeded = SampleInput(
+        prompt_tokens=list(streamed.prompt_tokens),
+        num_samples=2,
+        params=SamplingParams(max_tokens=24, temperature=0.9, seed=7, stop_at_eos=False),
+        adapter_dir=streamed.adapter_dir,
+    )
+    svc = _service(sampler)
+
+    async def main():
+        deltas = []
+        async def consume():
+            async for d in svc.sample_stream(seeded):
+                deltas.append((time.perf_counter(), d))
+        t_other = asyncio.ensure_future(svc.sample(other))
+        await consume()
+        return deltas, await t_other
+
+    try:
+        deltas, other_out = asyncio.run(main())
+    finally:
+        svc.close()
+    *partial, last = deltas
+    assert last[1].final is not None and not last[1].tokens
+    assert len(partial) >= 2, "tokens must arrive before the request finishes"
+    final = last[1].final
+    _assert_same(final, sampler.sample(seeded))
+    _assert_same(other_out, sampler.sample(other))
+    for s in range(2):
+        got = [t for _, d in partial for t in d.tokens.get(s, [])]
+        lps = [v for _, d in partial for v in d.logprobs.get(s, [])]
+        assert got == list(final.sequences[s].tokens)[: len(got)]
+        assert lps == pytest.approx(list(final.sequences[s].logprobs)[: len(lps)])
