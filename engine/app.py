@@ -1,8 +1,9 @@
 """Ray Serve deployments of the engine: one Trainer and one Sampler per configured base model.
 
 The classes are the plain in-process `Trainer` / `Sampler`; this module only gives them Serve
-options. `max_ongoing_requests` is high because a Trainer replica holds requests that wait for
-their seq_id turn (they cost no compute while waiting).
+options. ``num_replicas: N`` becomes N single-replica deployments that the gateway routes between
+itself (gateway/engine_client.py). `max_ongoing_requests` is high because a Trainer replica holds
+requests that wait for their seq_id turn (they cost no compute while waiting).
 """
 
 from __future__ import annotations
@@ -23,32 +24,43 @@ def deployment_suffix(model_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", model_name).strip("-").lower()
 
 
-def trainer_app(model: ModelConfig, data_dir: str, gap_timeout: float) -> Application:
+def _replica_name(role: str, model: ModelConfig, i: int) -> str:
+    base = f"{role}-{deployment_suffix(model.name)}"
+    return base if i == 0 else f"{base}-r{i}"
+
+
+def trainer_app(model: ModelConfig, data_dir: str, gap_timeout: float, i: int = 0) -> Application:
     return serve.deployment(
         Trainer,
-        name=f"trainer-{deployment_suffix(model.name)}",
-        num_replicas=model.trainer.num_replicas,
+        name=_replica_name("trainer", model, i),
+        num_replicas=1,
         max_ongoing_requests=MAX_ONGOING,
         ray_actor_options={"num_cpus": model.trainer.num_cpus, "num_gpus": model.trainer.num_gpus},
     ).bind(model.model_dump(), data_dir, gap_timeout=gap_timeout)
 
 
-def sampler_app(model: ModelConfig, data_dir: str) -> Application:
+def sampler_app(model: ModelConfig, data_dir: str, i: int = 0) -> Application:
     return serve.deployment(
         Sampler,
-        name=f"sampler-{deployment_suffix(model.name)}",
-        num_replicas=model.sampler.num_replicas,
+        name=_replica_name("sampler", model, i),
+        num_replicas=1,
         max_ongoing_requests=MAX_ONGOING,
         ray_actor_options={"num_cpus": model.sampler.num_cpus, "num_gpus": model.sampler.num_gpus},
     ).bind(model.model_dump(), data_dir)
 
 
-def engine_apps(config: ServerConfig, data_dir: str) -> dict[str, dict[str, Application]]:
-    """``{base_model: {"trainer": app, "sampler": app}}`` to bind into the gateway."""
+def engine_apps(config: ServerConfig, data_dir: str) -> dict[str, dict[str, list[Application]]]:
+    """``{base_model: {"trainer": [app per replica], "sampler": [...]}}`` to bind into the
+    gateway. Each replica is its own single-replica deployment, because the gateway must choose
+    the replica (an adapter lives in one Trainer; a sampling session sticks to one Sampler): see
+    gateway/engine_client.py."""
     return {
         m.name: {
-            "trainer": trainer_app(m, data_dir, config.seq_gap_timeout_seconds),
-            "sampler": sampler_app(m, data_dir),
+            "trainer": [
+                trainer_app(m, data_dir, config.seq_gap_timeout_seconds, i)
+                for i in range(m.trainer.num_replicas)
+            ],
+            "sampler": [sampler_app(m, data_dir, i) for i in range(m.sampler.num_replicas)],
         }
         for m in config.models
     }

@@ -4,19 +4,42 @@
 deployment handles (production) and in-process engine objects (tests, a single-process server).
 Engine errors come back as the engine's own (picklable) exceptions; Ray wraps them in
 `RayTaskError`, which we unwrap here so the gateway maps one hierarchy to HTTP.
+
+Replicas: a role may have several replicas (``engines[base]["trainer"]`` is then a list, one
+single-replica Serve deployment each, see engine/app.py). An adapter lives in one Trainer replica,
+so every call about a model must reach the same one: we route by rendezvous hashing of the model
+id (the first argument of every per-model Trainer method). Sampler calls route by their
+``affinity`` key (a sampling session id, an adapter path) the same way, so a session sticks to one
+replica and its adapter stays in that replica's cache; calls without a key go to any replica.
+Ray Serve's own routing cannot do this: its replicas are interchangeable and its
+model-multiplexing routing is best effort (a new key's first requests can land anywhere).
 """
 
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.errors import EngineError
 
 
+def pick_replica(n: int, key: str | None) -> int:
+    """Rendezvous (highest random weight) hashing: the same key always gets the same replica of
+    ``n``; a key moves only if its replica is removed. No key: a random replica."""
+    if n == 1:
+        return 0
+    if not key:
+        return random.randrange(n)
+    scores = [hashlib.sha256(f"{i}\x00{key}".encode()).digest() for i in range(n)]
+    return max(range(n), key=scores.__getitem__)
+
+
 class EngineClient:
     def __init__(self, engines: dict[str, dict[str, Any]], *, ray_handles: bool) -> None:
-        """``engines[base_model] = {"trainer": obj_or_handle, "sampler": obj_or_handle}``."""
+        """``engines[base_model] = {"trainer": target, "sampler": target}``; a target is an
+        in-process object or a Serve handle, or a list of them (one per replica)."""
         self._engines = engines
         self._ray = ray_handles
 
@@ -27,15 +50,43 @@ class EngineClient:
     def serves(self, base_model: str) -> bool:
         return base_model in self._engines
 
+    def replicas(self, base_model: str, role: str) -> list[Any]:
+        target = self._engines[base_model][role]
+        return list(target) if isinstance(target, list | tuple) else [target]
+
+    def _target(self, base_model: str, role: str, key: str | None) -> Any:
+        targets = self.replicas(base_model, role)
+        return targets[pick_replica(len(targets), key)]
+
     async def trainer(self, base_model: str, method: str, *args: Any) -> Any:
-        return await self._call(self._engines[base_model]["trainer"], method, args)
+        """Call the Trainer replica that holds the model named by ``args[0]`` (any replica for
+        calls without a model id, e.g. ``info``)."""
+        key = args[0] if args and isinstance(args[0], str) else None
+        return await self._call(self._target(base_model, "trainer", key), method, args)
 
-    async def sampler(self, base_model: str, method: str, *args: Any) -> Any:
-        return await self._call(self._engines[base_model]["sampler"], method, args)
+    async def trainer_all(self, base_model: str, method: str, *args: Any) -> list[Any]:
+        """Call every Trainer replica (e.g. ``stats``), in replica order."""
+        return [
+            await self._call(t, method, args) for t in self.replicas(base_model, "trainer")
+        ]
 
-    async def sampler_stream(self, base_model: str, method: str, *args: Any) -> AsyncIterator[Any]:
+    async def sampler_all(self, base_model: str, method: str, *args: Any) -> list[Any]:
+        """Call every Sampler replica, in replica order."""
+        return [
+            await self._call(t, method, args) for t in self.replicas(base_model, "sampler")
+        ]
+
+    async def sampler(
+        self, base_model: str, method: str, *args: Any, affinity: str | None = None
+    ) -> Any:
+        """Call a Sampler replica; calls with the same ``affinity`` reach the same replica."""
+        return await self._call(self._target(base_model, "sampler", affinity), method, args)
+
+    async def sampler_stream(
+        self, base_model: str, method: str, *args: Any, affinity: str | None = None
+    ) -> AsyncIterator[Any]:
         """Iterate an async-generator method of the Sampler (Ray Serve: a streaming call)."""
-        target = self._engines[base_model]["sampler"]
+        target = self._target(base_model, "sampler", affinity)
         if not self._ray:
             async for item in getattr(target, method)(*args):
                 yield item

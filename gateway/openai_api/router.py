@@ -189,7 +189,9 @@ async def _run(
     engine, target: Target, inp: SampleInput, stops: list[str], first_index: int, field: str
 ) -> list[R.Choice]:
     try:
-        out = await engine.sampler(target.base_model, "sample", inp)
+        out = await engine.sampler(
+            target.base_model, "sample", inp, affinity=target.adapter_dir
+        )
     except UserInputError as exc:
         raise _as_invalid(exc, field) from None
     choices = []

@@ -79,7 +79,8 @@ async def sample_events(
     tracks = [_Track(first_index + s) for s in range(inp.num_samples)]
     hold = max((len(s) for s in stops), default=1) - 1
     decode = engine.sampler  # engine.sampler(base_model, "decode_pieces", tokens)
-    async for delta in engine.sampler_stream(base_model, "sample_stream", inp):
+    stream = engine.sampler_stream(base_model, "sample_stream", inp, affinity=inp.adapter_dir)
+    async for delta in stream:
         delta: SampleDelta
         if delta.final is not None:
             for s, seq in enumerate(delta.final.sequences):

@@ -127,10 +127,12 @@ async def asample(
     # One slot of the user's concurrent-sampling limit from submit until the future finishes;
     # over the limit: 429 + retry-after, no future is recorded, the SDK retries the same seq_id.
     slot = limiter.acquire(who.user_id)
+    # a sampling session sticks to one Sampler replica (its adapter stays cached there)
+    affinity = req.sampling_session_id or adapter_dir
 
     async def run_() -> tuple[str, object]:
         try:
-            out = await engine.sampler(base, "sample", inp)
+            out = await engine.sampler(base, "sample", inp, affinity=affinity)
             return "proto", encode_sample_output(out)
         finally:
             slot.release()

@@ -49,16 +49,16 @@ class GatedEngineClient(EngineClient):
         self.gate = threading.Event()
         self.entered = threading.Semaphore(0)
 
-    async def sampler(self, base_model: str, method: str, *args):
+    async def sampler(self, base_model: str, method: str, *args, affinity=None):
         if method == "sample":
             self.entered.release()
             await asyncio.to_thread(self.gate.wait, 30)
-        return await super().sampler(base_model, method, *args)
+        return await super().sampler(base_model, method, *args, affinity=affinity)
 
-    async def sampler_stream(self, base_model: str, method: str, *args):
+    async def sampler_stream(self, base_model: str, method: str, *args, affinity=None):
         self.entered.release()
         await asyncio.to_thread(self.gate.wait, 30)
-        async for item in super().sampler_stream(base_model, method, *args):
+        async for item in super().sampler_stream(base_model, method, *args, affinity=affinity):
             yield item
 
 
