@@ -98,8 +98,25 @@ class SampleInput:
     num_samples: int = 1
     params: SamplingParams = field(default_factory=SamplingParams)
     prompt_logprobs: bool = False
+    #: top-k most likely tokens with logprobs at every prompt position / every sampled position
     topk_prompt_logprobs: int = 0
     adapter_dir: str | None = None
+    topk_sample_logprobs: int = 0
+    #: score only the last N prompt tokens (earlier prompt logprobs are NaN, top-k rows empty)
+    prompt_logprobs_last_n: int | None = None
+
+
+#: the empty cell of a top-k matrix (Tinker's sentinel: token 0 with this logprob)
+TOPK_MASK_LOGPROB = -99999.0
+
+
+@dataclass
+class TopkLogprobs:
+    """``token_ids`` int32 and ``logprobs`` float32, both ``[length, k]``, most likely first;
+    empty cells are (0, `TOPK_MASK_LOGPROB`)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
 
 
 @dataclass
@@ -107,14 +124,18 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: Literal["stop", "length"]
+    topk: TopkLogprobs | None = None  # one row per token, when topk_sample_logprobs > 0
 
 
 @dataclass
 class SampleOutput:
-    """``prompt_logprobs`` has len(prompt) values, NaN at position 0 (nothing predicts it)."""
+    """``prompt_logprobs`` has len(prompt) values, NaN at position 0 (nothing predicts it) and
+    before the last ``prompt_logprobs_last_n`` tokens; ``topk_prompt`` has len(prompt) rows, the
+    same rows empty."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float] | None = None
+    topk_prompt: TopkLogprobs | None = None
 
 
 @dataclass

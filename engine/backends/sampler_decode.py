@@ -23,11 +23,18 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine.backends.lora import Segment, lora_routing
-from engine.protocol import SampledSequence, SampleInput, SampleOutput
+from engine.protocol import (
+    TOPK_MASK_LOGPROB,
+    SampledSequence,
+    SampleInput,
+    SampleOutput,
+    TopkLogprobs,
+)
 
 
 def filter_logits(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -60,6 +67,9 @@ class RequestState:
     logprobs: list[list[float]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
+    topk_prompt: TopkLogprobs | None = None
+    #: per sample, per generated token: the top-k (ids, logprobs), when topk_sample_logprobs > 0
+    topk: list[list[tuple[list[int], list[float]]]] = field(default_factory=list)
     #: called as ``listener(sample_index, token, logprob)`` for each token as it is generated
     #: (on the decoding thread), for streaming; None when nobody listens
     listener: Callable[[int, int, float], None] | None = None
@@ -69,6 +79,7 @@ class RequestState:
         self.tokens = [[] for _ in range(n)]
         self.logprobs = [[] for _ in range(n)]
         self.reasons = ["length"] * n
+        self.topk = [[] for _ in range(n)]
         self.stops = list(self.inp.params.stop_strings)
         self.window = max((len(s.encode("utf-8")) for s in self.stops), default=0) + 1
 
@@ -77,11 +88,42 @@ class RequestState:
         return self.inp.num_samples
 
     def output(self) -> SampleOutput:
-        seqs = [
-            SampledSequence(self.tokens[r], self.logprobs[r], self.reasons[r])  # type: ignore[arg-type]
-            for r in range(self.num_samples)
-        ]
-        return SampleOutput(sequences=seqs, prompt_logprobs=self.prompt_logprobs)
+        k = self.inp.topk_sample_logprobs
+        seqs = []
+        for r in range(self.num_samples):
+            topk = None
+            if k:
+                n = len(self.topk[r])
+                topk = TopkLogprobs(
+                    np.array([ids for ids, _ in self.topk[r]], np.int32).reshape(n, k),
+                    np.array([lps for _, lps in self.topk[r]], np.float32).reshape(n, k),
+                )
+            seqs.append(
+                SampledSequence(self.tokens[r], self.logprobs[r], self.reasons[r], topk)  # type: ignore[arg-type]
+            )
+        return SampleOutput(
+            sequences=seqs, prompt_logprobs=self.prompt_logprobs, topk_prompt=self.topk_prompt
+        )
+
+
+def prompt_scores(r: RequestState, lp: torch.Tensor, targets: torch.Tensor) -> None:
+    """Fill ``r``'s prompt logprobs (and top-k rows) from ``lp`` = log-softmax at prompt positions
+    0..L-2 (each predicting the next token) and ``targets`` = prompt tokens 1..L-1."""
+    length = lp.shape[0] + 1
+    picked = lp.gather(-1, targets[:, None])[:, 0]
+    vals = [math.nan] + [float(v) for v in picked.cpu()]
+    skip = 0 if r.inp.prompt_logprobs_last_n is None else length - r.inp.prompt_logprobs_last_n
+    vals[:skip] = [math.nan] * skip
+    r.prompt_logprobs = vals
+    k = r.inp.topk_prompt_logprobs
+    if k:
+        top = lp.topk(k, dim=-1)
+        ids = np.zeros((length, k), np.int32)
+        lps = np.full((length, k), TOPK_MASK_LOGPROB, np.float32)
+        ids[1:] = top.indices.cpu().numpy()
+        lps[1:] = top.values.cpu().numpy()
+        ids[:skip], lps[:skip] = 0, TOPK_MASK_LOGPROB
+        r.topk_prompt = TopkLogprobs(ids, lps)
 
 
 def adapter_segments(row_adapters: list[str | None]) -> list[Segment]:
@@ -148,8 +190,7 @@ def decode_batch(
         if r.inp.prompt_logprobs:
             lo = width - lengths[i]
             lp = torch.log_softmax(out.logits[i, lo : width - 1].float(), dim=-1)
-            picked = lp.gather(-1, ids[i, lo + 1 :, None])[:, 0]
-            r.prompt_logprobs = [math.nan] + [float(v) for v in picked.cpu()]
+            prompt_scores(r, lp, ids[i, lo + 1 :])
     cache = out.cache
     last = out.logits[:, -1, :].float()
     del out
@@ -164,6 +205,7 @@ def decode_batch(
     next_pos = torch.tensor([lengths[i] for i in row_req], dtype=torch.long, device=device)
     logits = last
     max_tokens = [r.inp.params.max_tokens for r in reqs]
+    top_k_max = max(r.inp.topk_sample_logprobs for r in reqs)
 
     while True:
         raw_lp = torch.log_softmax(logits, dim=-1)
@@ -178,6 +220,9 @@ def decode_batch(
                 :, 0
             ]
         chosen = raw_lp.gather(-1, nxt[:, None])[:, 0]
+        if top_k_max:
+            top = raw_lp.topk(top_k_max, dim=-1)
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
         keep: list[int] = []
         for j, (tok, lpv) in enumerate(zip(nxt.tolist(), chosen.tolist(), strict=True)):
             r = reqs[row_req[j]]
@@ -185,6 +230,8 @@ def decode_batch(
             toks = r.tokens[s]
             toks.append(tok)
             r.logprobs[s].append(lpv)
+            if k := r.inp.topk_sample_logprobs:
+                r.topk[s].append((top_ids[j][:k], top_lps[j][:k]))
             if r.listener is not None:
                 r.listener(s, tok, lpv)
             if tok in r.stop_ids or (r.stops and hits_stop(toks, r.stops, r.window)):

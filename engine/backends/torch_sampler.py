@@ -33,6 +33,10 @@ from engine.errors import CheckpointError, EngineError, UserInputError
 from engine.protocol import SampleInput, SampleOutput, SamplingParams
 
 
+#: widest top-k logprobs matrix per position we return (Tinker bounds it too; 20 is OpenAI's)
+MAX_TOPK = 20
+
+
 def _is_int(v) -> bool:
     # numpy integers count (numbers.Integral); bools do not
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
@@ -154,8 +158,23 @@ class TorchSamplingBackend(SamplingBackend):
                 )
         if any(not isinstance(s, str) or not s for s in p.stop_strings):
             raise UserInputError("sampling_params.stop: stop strings must be non-empty strings")
-        if inp.topk_prompt_logprobs:
-            raise UserInputError("topk_prompt_logprobs: not supported by this sampler; use 0")
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            k = getattr(inp, name)
+            if not _is_int(k) or not 0 <= k <= MAX_TOPK:
+                raise UserInputError(f"{name}: {k!r} must be an integer in [0, {MAX_TOPK}]")
+        if inp.topk_prompt_logprobs and not inp.prompt_logprobs:
+            raise UserInputError("topk_prompt_logprobs: needs include_prompt_logprobs (prompt_logprobs)")
+        n = inp.prompt_logprobs_last_n
+        if n is not None:
+            if not inp.prompt_logprobs:
+                raise UserInputError(
+                    "prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs"
+                )
+            if not _is_int(n) or not 1 <= n <= len(prompt) - 1:
+                raise UserInputError(
+                    f"prompt_logprobs_last_n: {n!r} must be between 1 and len(prompt) - 1 = "
+                    f"{len(prompt) - 1}"
+                )
 
     # ------------------------------------------------------------------------------- decoding
 

@@ -12,7 +12,13 @@ import math
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from engine.protocol import DatumInput, ForwardBackwardInput, ForwardBackwardOutput, SampleOutput
+from engine.protocol import (
+    DatumInput,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    SampleOutput,
+    TopkLogprobs,
+)
 from gateway.errors import InvalidRequestError
 
 _DTYPES = {
@@ -130,6 +136,18 @@ def encode_sample_output(out: SampleOutput) -> bytes:
         s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
         s.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
         s.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+        if seq.topk is not None:
+            _encode_topk(s.topk_sampled_logprobs, seq.topk)
     if out.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(out.prompt_logprobs, dtype=np.float32).tobytes()
+    if out.topk_prompt is not None:
+        _encode_topk(msg.topk_prompt_logprobs, out.topk_prompt)
     return msg.SerializeToString()
+
+
+def _encode_topk(msg: pb.TopkLogprobs, topk: TopkLogprobs) -> None:
+    """Row-major [length, k] int32 ids and float32 logprobs (the SDK reads them back as such)."""
+    ids = np.ascontiguousarray(topk.token_ids, dtype=np.int32)
+    msg.token_ids = ids.tobytes()
+    msg.logprobs = np.ascontiguousarray(topk.logprobs, dtype=np.float32).tobytes()
+    msg.length, msg.k = ids.shape

@@ -115,13 +115,16 @@ async def asample(
         idem = None
     if idem is not None and (prev := futures.lookup_idempotent(idem)) is not None:
         return {"request_id": prev.request_id, "sample_sequence_ids": prev.extra["sequence_ids"]}
-    if req.prompt_alt_tokens_k or req.topk_prompt_logprobs or req.prompt_logprobs_last_n:
-        raise InvalidRequestError(
-            "prompt_alt_tokens_k, topk_prompt_logprobs, prompt_logprobs_last_n: not supported yet"
-        )
+    if req.prompt_alt_tokens_k:
+        raise InvalidRequestError("prompt_alt_tokens_k: not supported yet; use 0")
+    if req.target_prompt_logprobs is not None:
+        raise InvalidRequestError("target_prompt_logprobs: not supported yet; leave it unset")
     inp = SampleInput(
         prompt_tokens=_prompt_tokens(req), num_samples=req.num_samples,
         params=_sampling_params(req), prompt_logprobs=req.prompt_logprobs, adapter_dir=adapter_dir,
+        topk_prompt_logprobs=req.topk_prompt_logprobs,
+        topk_sample_logprobs=req.topk_sample_logprobs,
+        prompt_logprobs_last_n=req.prompt_logprobs_last_n,
     )
 
     # One slot of the user's concurrent-sampling limit from submit until the future finishes;

@@ -166,3 +166,29 @@ def test_rl_losses_through_the_sdk(service, loss_fn):
         np.testing.assert_allclose(lp, seq.logprobs, atol=1e-4)
     step = tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert step.metrics["grad_norm"] > 0
+
+
+def test_topk_and_last_n_prompt_logprobs_through_the_sdk(service):
+    """topk_prompt_logprobs / topk_sample_logprobs / prompt_logprobs_last_n reach the SDK in its
+    own types (the SDK itself checks that last_n was honoured)."""
+    sc = service.create_sampling_client(base_model=BASE)
+    prompt = types.ModelInput.from_ints(SEQS[2])
+    params = types.SamplingParams(max_tokens=4, temperature=0.0)
+    res = sc.sample(
+        prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3,
+        topk_sample_logprobs=2, prompt_logprobs_last_n=4,
+    ).result()
+    n = len(SEQS[2])
+    assert res.prompt_logprobs[: n - 4] == [None] * (n - 4)
+    assert all(lp is not None for lp in res.prompt_logprobs[n - 4 :])
+    topk = res.topk_prompt_logprobs  # list per position: None or [(token, logprob)] * 3
+    assert len(topk) == n and all(row is None for row in topk[: n - 4])
+    for pos in range(n - 4, n):
+        row = topk[pos]
+        assert len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1]
+        # the prompt token's own logprob is at most the best alternative's
+        assert res.prompt_logprobs[pos] <= row[0][1] + 1e-6
+    seq = res.sequences[0]
+    top = seq.topk_logprobs  # greedy: the chosen token is the most likely one
+    assert [r[0][0] for r in top] == seq.tokens
+    assert [r[0][1] for r in top] == pytest.approx(seq.logprobs, abs=1e-5)

@@ -356,7 +356,16 @@ def test_adapter_cache_lru_and_reload(
         ([1], 1, {"top_p": 0.0}, {}, "sampling_params.top_p"),
         ([1], 1, {"top_k": -2}, {}, "sampling_params.top_k"),
         ([1], 1, {"stop_strings": [""]}, {}, "sampling_params.stop"),
-        ([1], 1, {}, {"topk_prompt_logprobs": 3}, "topk_prompt_logprobs"),
+        ([1, 2], 1, {}, {"topk_prompt_logprobs": 3}, "topk_prompt_logprobs: needs"),
+        ([1, 2], 1, {}, {"topk_sample_logprobs": 21}, r"topk_sample_logprobs: 21 .*\[0, 20\]"),
+        ([1, 2], 1, {}, {"prompt_logprobs_last_n": 1}, "prompt_logprobs_last_n: applies"),
+        (
+            [1, 2],
+            1,
+            {},
+            {"prompt_logprobs": True, "prompt_logprobs_last_n": 2},
+            r"prompt_logprobs_last_n: 2 must be between 1 and len\(prompt\) - 1 = 1",
+        ),
     ],
 )
 def test_validation_names_the_field(sampler, prompt, n, params, extra, message) -> None:
@@ -383,3 +392,53 @@ def test_sample_is_sample_many_of_one(sampler, perturbed_adapter) -> None:
     assert isinstance(err, UserInputError)
     with pytest.raises(UserInputError, match="top_p"):
         sampler.sample(bad)
+
+
+def test_topk_logprobs_match_forward_pass(tiny_model_dir, sampler, perturbed_adapter) -> None:
+    """Top-k prompt and sampled logprobs equal torch.topk of a float64 forward pass (1e-5), with
+    Tinker's layout: len(prompt) prompt rows, row 0 empty (0, -99999); prompt_logprobs_last_n
+    leaves earlier positions unscored; batching with other requests changes nothing."""
+    prompt = _prompt(sampler)
+    k, ks, last_n = 4, 3, 5
+    inp = SampleInput(
+        prompt_tokens=prompt,
+        num_samples=2,
+        params=SamplingParams(max_tokens=10, temperature=0.8, seed=5),
+        prompt_logprobs=True,
+        topk_prompt_logprobs=k,
+        topk_sample_logprobs=ks,
+        prompt_logprobs_last_n=last_n,
+        adapter_dir=str(perturbed_adapter),
+    )
+    out = sampler.sample(inp)
+    ref = _peft(tiny_model_dir, perturbed_adapter)
+    n = len(prompt)
+    for seq in out.sequences:
+        full = prompt + seq.tokens
+        with torch.no_grad():
+            lp = torch.log_softmax(ref(torch.tensor([full])).logits[0].double(), -1)
+        top = lp.topk(k, dim=-1)
+        # prompt rows: position i is predicted by row i - 1 of the forward pass
+        tp = out.topk_prompt
+        assert tp.token_ids.shape == (n, k) and tp.token_ids.dtype == np.int32
+        unscored = n - last_n
+        assert (tp.token_ids[:unscored] == 0).all() and (tp.logprobs[:unscored] == -99999.0).all()
+        np.testing.assert_array_equal(tp.token_ids[unscored:], top.indices[unscored - 1 : n - 1])
+        np.testing.assert_allclose(
+            tp.logprobs[unscored:], top.values[unscored - 1 : n - 1], atol=1e-5, rtol=0
+        )
+        pl = out.prompt_logprobs
+        assert all(math.isnan(v) for v in pl[:unscored]) and not any(map(math.isnan, pl[unscored:]))
+        # sampled rows: token j is predicted by row n - 1 + j
+        st = seq.topk
+        assert st.token_ids.shape == (len(seq.tokens), ks)
+        rows = slice(n - 1, n - 1 + len(seq.tokens))
+        np.testing.assert_array_equal(st.token_ids, top.indices[rows, :ks])
+        np.testing.assert_allclose(st.logprobs, top.values[rows, :ks], atol=1e-5, rtol=0)
+        assert (np.diff(st.logprobs, axis=1) <= 0).all()
+    other = SampleInput(prompt_tokens=prompt[:4], params=SamplingParams(max_tokens=3))
+    batched, plain = sampler.sample_many([inp, other])
+    for a, b in zip(batched.sequences, out.sequences, strict=True):
+        assert a.tokens == b.tokens
+        np.testing.assert_array_equal(a.topk.token_ids, b.topk.token_ids)
+    assert plain.topk_prompt is None and plain.sequences[0].topk is None
