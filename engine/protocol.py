@@ -104,6 +104,10 @@ class SampleInput:
     topk_sample_logprobs: int = 0
     #: score only the last N prompt tokens (earlier prompt logprobs are NaN, top-k rows empty)
     prompt_logprobs_last_n: int | None = None
+    #: draws per prompt position (after the first) from the next-token distribution
+    prompt_alt_tokens_k: int = 0
+    #: int64 [len(prompt) - 1, K]: row i names token ids to score at prompt position i + 1; -1 = none
+    target_prompt_ids: np.ndarray | None = None
 
 
 #: the empty cell of a top-k matrix (Tinker's sentinel: token 0 with this logprob)
@@ -136,6 +140,10 @@ class SampleOutput:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float] | None = None
     topk_prompt: TopkLogprobs | None = None
+    #: ([len(prompt) - 1, k] int64 tokens, float32 logprobs) for ``prompt_alt_tokens_k``
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None
+    #: float32, the shape of ``target_prompt_ids``; 0.0 where it had -1
+    target_prompt_logprobs: np.ndarray | None = None
 
 
 @dataclass

@@ -63,11 +63,16 @@ class RequestState:
     prompt: list[int]
     stop_ids: set[int]
     generator: torch.Generator | None  # None: greedy
+    #: for prompt_alt_tokens draws: separate from ``generator`` so that asking for alternatives
+    #: does not change the sampled sequences
+    alt_gen: torch.Generator | None = None
     tokens: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     topk_prompt: TopkLogprobs | None = None
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None
+    target_prompt_logprobs: np.ndarray | None = None
     #: per sample, per generated token: the top-k (ids, logprobs), when topk_sample_logprobs > 0
     topk: list[list[tuple[list[int], list[float]]]] = field(default_factory=list)
     #: called as ``listener(sample_index, token, logprob)`` for each token as it is generated
@@ -102,14 +107,46 @@ class RequestState:
                 SampledSequence(self.tokens[r], self.logprobs[r], self.reasons[r], topk)  # type: ignore[arg-type]
             )
         return SampleOutput(
-            sequences=seqs, prompt_logprobs=self.prompt_logprobs, topk_prompt=self.topk_prompt
+            sequences=seqs,
+            prompt_logprobs=self.prompt_logprobs if self.inp.prompt_logprobs else None,
+            topk_prompt=self.topk_prompt,
+            prompt_alt_tokens=self.prompt_alt_tokens,
+            target_prompt_logprobs=self.target_prompt_logprobs,
         )
 
+    @property
+    def wants_prompt_scores(self) -> bool:
+        i = self.inp
+        return bool(i.prompt_logprobs or i.prompt_alt_tokens_k or i.target_prompt_ids is not None)
 
-def prompt_scores(r: RequestState, lp: torch.Tensor, targets: torch.Tensor) -> None:
-    """Fill ``r``'s prompt logprobs (and top-k rows) from ``lp`` = log-softmax at prompt positions
-    0..L-2 (each predicting the next token) and ``targets`` = prompt tokens 1..L-1."""
+
+def prompt_scores(
+    r: RequestState, logits: torch.Tensor, targets: torch.Tensor, alt_gen: torch.Generator | None
+) -> None:
+    """Fill ``r``'s prompt logprobs, top-k rows, alternative draws and target logprobs from
+    ``logits`` at prompt positions 0..L-2 (each predicting the next token) and ``targets`` =
+    prompt tokens 1..L-1."""
+    lp = torch.log_softmax(logits, dim=-1)
     length = lp.shape[0] + 1
+    ids = r.inp.target_prompt_ids
+    if ids is not None:
+        t = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=lp.device)
+        vals = lp.gather(-1, t.clamp(min=0)).masked_fill(t < 0, 0.0)
+        r.target_prompt_logprobs = vals.cpu().numpy().astype(np.float32)
+    k = r.inp.prompt_alt_tokens_k
+    if k:
+        temp = r.inp.params.temperature
+        if temp == 0:  # greedy: every draw is the most likely token
+            draws = lp.argmax(-1, keepdim=True).expand(-1, k)
+        else:
+            probs = torch.softmax(logits / temp, dim=-1)
+            draws = torch.multinomial(probs, k, replacement=True, generator=alt_gen)
+        r.prompt_alt_tokens = (
+            draws.cpu().numpy().astype(np.int64),
+            lp.gather(-1, draws).cpu().numpy().astype(np.float32),
+        )
+    if not r.inp.prompt_logprobs:
+        return
     picked = lp.gather(-1, targets[:, None])[:, 0]
     vals = [math.nan] + [float(v) for v in picked.cpu()]
     skip = 0 if r.inp.prompt_logprobs_last_n is None else length - r.inp.prompt_logprobs_last_n
@@ -177,7 +214,7 @@ def decode_batch(
     ids, mask = ids.to(device), mask.to(device)
     # positions count real tokens only; padding gets 1 (any finite position: it is masked out)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    want_prompt_lps = any(r.inp.prompt_logprobs for r in reqs)
+    want_prompt_lps = any(r.wants_prompt_scores for r in reqs)
     with lora_routing(model, adapter_segments([r.adapter for r in reqs])):
         out = model(
             input_ids=ids,
@@ -187,10 +224,9 @@ def decode_batch(
             logits_to_keep=0 if want_prompt_lps else 1,
         )
     for i, r in enumerate(reqs):
-        if r.inp.prompt_logprobs:
+        if r.wants_prompt_scores:
             lo = width - lengths[i]
-            lp = torch.log_softmax(out.logits[i, lo : width - 1].float(), dim=-1)
-            prompt_scores(r, lp, ids[i, lo + 1 :])
+            prompt_scores(r, out.logits[i, lo : width - 1].float(), ids[i, lo + 1 :], r.alt_gen)
     cache = out.cache
     last = out.logits[:, -1, :].float()
     del out

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.backends.base import SamplingBackend
@@ -33,8 +34,12 @@ from engine.errors import CheckpointError, EngineError, UserInputError
 from engine.protocol import SampleInput, SampleOutput, SamplingParams
 
 
-#: widest top-k logprobs matrix per position we return (Tinker bounds it too; 20 is OpenAI's)
+#: widest top-k logprobs matrix per position we return (Tinker bounds it too; 20 is OpenAI's);
+#: also the bound of prompt_alt_tokens_k
 MAX_TOPK = 20
+#: token ids scored per prompt position with target_prompt_logprobs
+MAX_TARGET_IDS = 64
+ALT_SEED_XOR = 0x5EED_A17
 
 
 def _is_int(v) -> bool:
@@ -164,6 +169,13 @@ class TorchSamplingBackend(SamplingBackend):
                 raise UserInputError(f"{name}: {k!r} must be an integer in [0, {MAX_TOPK}]")
         if inp.topk_prompt_logprobs and not inp.prompt_logprobs:
             raise UserInputError("topk_prompt_logprobs: needs include_prompt_logprobs (prompt_logprobs)")
+        k = inp.prompt_alt_tokens_k
+        if not _is_int(k) or not 0 <= k <= MAX_TOPK:
+            raise UserInputError(f"prompt_alt_tokens_k: {k!r} must be an integer in [0, {MAX_TOPK}]")
+        if k and len(prompt) < 2:
+            raise UserInputError("prompt_alt_tokens_k: needs a prompt of at least 2 tokens")
+        if inp.target_prompt_ids is not None:
+            self._validate_targets(np.asarray(inp.target_prompt_ids), len(prompt))
         n = inp.prompt_logprobs_last_n
         if n is not None:
             if not inp.prompt_logprobs:
@@ -175,6 +187,22 @@ class TorchSamplingBackend(SamplingBackend):
                     f"prompt_logprobs_last_n: {n!r} must be between 1 and len(prompt) - 1 = "
                     f"{len(prompt) - 1}"
                 )
+
+    def _validate_targets(self, ids: np.ndarray, prompt_len: int) -> None:
+        rows = prompt_len - 1
+        if ids.ndim != 2 or ids.shape[0] != rows or not 1 <= ids.shape[1] <= MAX_TARGET_IDS:
+            raise UserInputError(
+                f"target_prompt_logprobs: shape {list(ids.shape)} must be [len(prompt) - 1 = "
+                f"{rows}, K] with 1 <= K <= {MAX_TARGET_IDS}"
+            )
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise UserInputError("target_prompt_logprobs: must hold int64 token ids")
+        if ((ids < -1) | (ids >= self.vocab_size)).any():
+            raise UserInputError(
+                f"target_prompt_logprobs: token ids must be -1 (none) or in [0, {self.vocab_size})"
+            )
+        if not (ids >= 0).any():
+            raise UserInputError("target_prompt_logprobs: must name at least one token id")
 
     # ------------------------------------------------------------------------------- decoding
 
@@ -201,12 +229,17 @@ class TorchSamplingBackend(SamplingBackend):
         if adapter is not None:
             pinned.add(adapter)
         stop_ids = {int(t) for t in p.stop_token_ids} | (self.eos_ids if p.stop_at_eos else set())
+        alt_gen = None
+        if inp.prompt_alt_tokens_k and p.temperature != 0:
+            # a seeded request's alternatives reproduce too, from a stream of their own
+            alt_gen = self._make_generator(None if p.seed is None else int(p.seed) ^ ALT_SEED_XOR)
         return RequestState(
             inp=inp,
             adapter=adapter,
             prompt=[int(t) for t in inp.prompt_tokens],
             stop_ids=stop_ids,
             generator=None if p.temperature == 0 else self._make_generator(p.seed),
+            alt_gen=alt_gen,
         )
 
     @torch.no_grad()

@@ -129,7 +129,33 @@ def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
     return msg.SerializeToString()
 
 
-def encode_sample_output(out: SampleOutput) -> bytes:
+def target_ids_from_wire(t: dict) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """``target_prompt_logprobs`` (TensorData JSON, dense or sparse CSR) → dense int64 ids with
+    -1 where nothing is asked, plus the CSR (crow, col) indices to answer in the same layout."""
+    where = "target_prompt_logprobs"
+    if not isinstance(t, dict) or t.get("dtype") != "int64":
+        raise InvalidRequestError(f"{where}: must be an int64 TensorData of token ids")
+    shape = t.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) for d in shape)):
+        raise InvalidRequestError(f"{where}: shape must be [len(prompt) - 1, K]")
+    try:
+        data = np.asarray(t.get("data"), dtype=np.int64).reshape(-1)
+        crow, col = t.get("sparse_crow_indices"), t.get("sparse_col_indices")
+        if crow is None and col is None:
+            return data.reshape(shape), None
+        crow_a = np.asarray(crow, dtype=np.int64)
+        col_a = np.asarray(col, dtype=np.int64)
+        dense = np.full(shape, -1, dtype=np.int64)
+        rows = np.repeat(np.arange(shape[0]), np.diff(crow_a))
+        dense[rows, col_a] = data
+        return dense, (crow_a, col_a)
+    except (TypeError, ValueError, IndexError) as exc:
+        raise InvalidRequestError(f"{where}: malformed tensor ({exc})") from None
+
+
+def encode_sample_output(
+    out: SampleOutput, target_csr: tuple[np.ndarray, np.ndarray] | None = None
+) -> bytes:
     msg = pb.SampleResponse()
     for seq in out.sequences:
         s = msg.sequences.add()
@@ -142,7 +168,30 @@ def encode_sample_output(out: SampleOutput) -> bytes:
         msg.prompt_logprobs = np.asarray(out.prompt_logprobs, dtype=np.float32).tobytes()
     if out.topk_prompt is not None:
         _encode_topk(msg.topk_prompt_logprobs, out.topk_prompt)
+    if out.prompt_alt_tokens is not None:
+        toks, lps = out.prompt_alt_tokens
+        _dense(msg.prompt_alt_tokens.tokens, np.asarray(toks, np.int64), pb.DTYPE_INT64)
+        _dense(msg.prompt_alt_tokens.logprobs, np.asarray(lps, np.float32), pb.DTYPE_FLOAT32)
+    if out.target_prompt_logprobs is not None:
+        vals = np.asarray(out.target_prompt_logprobs, np.float32)
+        t = msg.target_prompt_logprobs
+        if target_csr is None:
+            _dense(t, vals, pb.DTYPE_FLOAT32)
+        else:  # answer in the request's sparse layout: the values at the listed cells
+            crow, col = target_csr
+            rows = np.repeat(np.arange(vals.shape[0]), np.diff(crow))
+            t.sparse_csr.values = np.ascontiguousarray(vals[rows, col]).tobytes()
+            t.sparse_csr.crow_indices = crow.astype(np.int64).tobytes()
+            t.sparse_csr.col_indices = col.astype(np.int64).tobytes()
+            t.dtype = pb.DTYPE_FLOAT32
+            t.shape.extend(vals.shape)
     return msg.SerializeToString()
+
+
+def _dense(t: pb.Tensor, arr: np.ndarray, dtype: int) -> None:
+    t.dense = np.ascontiguousarray(arr).tobytes()
+    t.dtype = dtype
+    t.shape.extend(arr.shape)
 
 
 def _encode_topk(msg: pb.TopkLogprobs, topk: TopkLogprobs) -> None:

@@ -18,7 +18,7 @@ from gateway.deps import (
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.sampling_limits import SamplingLimiterDep
 from gateway.tables import SamplingSessionRow, TrainingRunRow
-from gateway.tinker_api.proto_codec import encode_sample_output
+from gateway.tinker_api.proto_codec import encode_sample_output, target_ids_from_wire
 from gateway.tinker_api.schemas import CreateSamplingSessionRequest, SampleRequest
 
 router = APIRouter(prefix="/api/v1")
@@ -115,16 +115,16 @@ async def asample(
         idem = None
     if idem is not None and (prev := futures.lookup_idempotent(idem)) is not None:
         return {"request_id": prev.request_id, "sample_sequence_ids": prev.extra["sequence_ids"]}
-    if req.prompt_alt_tokens_k:
-        raise InvalidRequestError("prompt_alt_tokens_k: not supported yet; use 0")
+    target_ids, target_csr = None, None
     if req.target_prompt_logprobs is not None:
-        raise InvalidRequestError("target_prompt_logprobs: not supported yet; leave it unset")
+        target_ids, target_csr = target_ids_from_wire(req.target_prompt_logprobs)
     inp = SampleInput(
         prompt_tokens=_prompt_tokens(req), num_samples=req.num_samples,
         params=_sampling_params(req), prompt_logprobs=req.prompt_logprobs, adapter_dir=adapter_dir,
         topk_prompt_logprobs=req.topk_prompt_logprobs,
         topk_sample_logprobs=req.topk_sample_logprobs,
         prompt_logprobs_last_n=req.prompt_logprobs_last_n,
+        prompt_alt_tokens_k=req.prompt_alt_tokens_k, target_prompt_ids=target_ids,
     )
 
     # One slot of the user's concurrent-sampling limit from submit until the future finishes;
@@ -136,7 +136,7 @@ async def asample(
     async def run_() -> tuple[str, object]:
         try:
             out = await engine.sampler(base, "sample", inp, affinity=affinity)
-            return "proto", encode_sample_output(out)
+            return "proto", encode_sample_output(out, target_csr)
         finally:
             slot.release()
 

@@ -148,7 +148,7 @@ class SampleRequest(_Req):
     topk_sample_logprobs: int = Field(0, ge=0)
     prompt_alt_tokens_k: int = Field(0, ge=0)
     prompt_logprobs_last_n: int | None = None
-    target_prompt_logprobs: dict | None = None  # TensorData JSON; not supported yet (400)
+    target_prompt_logprobs: dict | None = None  # TensorData JSON (dense or sparse CSR)
 
 
 class RetrieveFutureRequest(_Req):

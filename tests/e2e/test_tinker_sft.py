@@ -192,3 +192,29 @@ def test_topk_and_last_n_prompt_logprobs_through_the_sdk(service):
     top = seq.topk_logprobs  # greedy: the chosen token is the most likely one
     assert [r[0][0] for r in top] == seq.tokens
     assert [r[0][1] for r in top] == pytest.approx(seq.logprobs, abs=1e-5)
+
+
+def test_target_prompt_logprobs_and_alt_tokens_through_the_sdk(service):
+    """Dense and sparse target_prompt_logprobs come back in the request's layout and agree with
+    prompt_logprobs where they name the prompt token; prompt_alt_tokens has Tinker's shape."""
+    import torch
+
+    sc = service.create_sampling_client(base_model=BASE)
+    toks = SEQS[3]
+    n = len(toks)
+    prompt = types.ModelInput.from_ints(toks)
+    params = types.SamplingParams(max_tokens=1, temperature=0.7, seed=1)
+    ids = torch.full((n - 1, 2), -1, dtype=torch.int64)
+    ids[:, 0] = torch.tensor(toks[1:])  # the prompt's own next tokens
+    ids[3, 1] = 7
+    for target in (types.TensorData.from_torch(ids),
+                   types.TensorData.from_torch_sparse(ids, pad_value=-1)):
+        res = sc.sample(prompt, 1, params, include_prompt_logprobs=True,
+                        target_prompt_logprobs=target, prompt_alt_tokens_k=3).result()
+        got = res.target_prompt_logprobs.to_torch()
+        got = got.to_dense() if got.is_sparse or got.layout != torch.strided else got
+        assert list(got.shape) == [n - 1, 2]
+        assert got[:, 0].tolist() == pytest.approx(res.prompt_logprobs[1:], abs=1e-5)
+        assert got[3, 1] < 0 and got[0, 1] == 0.0
+        alt = res.prompt_alt_tokens
+        assert alt.tokens.shape == [n - 1, 3] and alt.logprobs.shape == [n - 1, 3]

@@ -442,3 +442,49 @@ def test_topk_logprobs_match_forward_pass(tiny_model_dir, sampler, perturbed_ada
         assert a.tokens == b.tokens
         np.testing.assert_array_equal(a.topk.token_ids, b.topk.token_ids)
     assert plain.topk_prompt is None and plain.sequences[0].topk is None
+
+
+def test_alt_tokens_and_target_prompt_logprobs(tiny_model_dir, sampler, perturbed_adapter) -> None:
+    """target_prompt_logprobs: the named ids' logprobs at each prompt position (0.0 for -1);
+    prompt_alt_tokens_k: draws from the next-token distribution with their logprobs; seeded
+    draws reproduce, and asking for them does not change the sampled sequences."""
+    prompt = _prompt(sampler)
+    n = len(prompt)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, sampler.vocab_size, size=(n - 1, 3))
+    ids[::2, 1] = -1
+    base = dict(
+        prompt_tokens=prompt,
+        params=SamplingParams(max_tokens=6, temperature=0.9, seed=3),
+        adapter_dir=str(perturbed_adapter),
+    )
+    out = sampler.sample(SampleInput(**base, target_prompt_ids=ids, prompt_alt_tokens_k=4))
+    ref = _peft(tiny_model_dir, perturbed_adapter)
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].double(), -1)[: n - 1]
+    expected = lp.gather(-1, torch.tensor(ids).clamp(min=0)).numpy()
+    expected[ids < 0] = 0.0
+    assert out.target_prompt_logprobs.shape == (n - 1, 3)
+    np.testing.assert_allclose(out.target_prompt_logprobs, expected, atol=1e-5, rtol=0)
+    toks, lps = out.prompt_alt_tokens
+    assert toks.shape == lps.shape == (n - 1, 4) and toks.dtype == np.int64
+    np.testing.assert_allclose(lps, lp.gather(-1, torch.tensor(toks)).numpy(), atol=1e-5, rtol=0)
+    again = sampler.sample(SampleInput(**base, target_prompt_ids=ids, prompt_alt_tokens_k=4))
+    np.testing.assert_array_equal(again.prompt_alt_tokens[0], toks)
+    plain = sampler.sample(SampleInput(**base))
+    assert [s.tokens for s in plain.sequences] == [s.tokens for s in out.sequences]
+    assert plain.prompt_alt_tokens is None and plain.target_prompt_logprobs is None
+    greedy = sampler.sample(
+        SampleInput(prompt_tokens=prompt, params=SamplingParams(max_tokens=1, temperature=0),
+                    prompt_alt_tokens_k=2)
+    )
+    with torch.no_grad():
+        base_lp = sampler.model(torch.tensor([prompt])).logits[0, : n - 1]
+    np.testing.assert_array_equal(greedy.prompt_alt_tokens[0][:, 0], base_lp.argmax(-1).numpy())
+    for bad, msg in [
+        (ids[:-1], r"target_prompt_logprobs: shape \[.*\] must be \[len\(prompt\) - 1"),
+        (np.full((n - 1, 2), -1), "at least one token id"),
+        (np.full((n - 1, 1), 99999), "token ids must be -1"),
+    ]:
+        with pytest.raises(UserInputError, match=msg):
+            sampler.sample(SampleInput(prompt_tokens=prompt, target_prompt_ids=bad))
