@@ -125,6 +125,10 @@ def test_zero_b_is_identity_and_routing_is_per_row(model) -> None:
 
 
 def test_mixed_batch_gradients_equal_separate_runs(model) -> None:
+    # float64: in float32 a 2-row batch and a 1-row batch take different GEMM blockings, which
+    # moved single gradient entries of ~0.03 by up to 1.6e-6 (flaky at 1e-6); the routing itself
+    # is exact, which float64 shows with a wide margin
+    model.double()
     x = _ids(batch=2, length=10, seed=3)
     for name, seed in (("a", 1), ("b", 2)):
         add_adapter(model, name, LoraSpec(rank=4, seed=seed))
