@@ -52,6 +52,7 @@ from engine.model_state import (
     TRAIN_CONFIG_FILE,
     AdapterState,
     MetricAcc,
+    check_count,
     checkpoint_dir,
     pass_result,
 )
@@ -361,16 +362,44 @@ class MultiLoraTransformersModel:
         *,
         adapter_name: str = DEFAULT_ADAPTER,
         save_optimizer: bool = False,
+        consumed_train_samples: int | None = None,
+        is_sampler: bool = False,
     ) -> str:
         """Write a PEFT-format checkpoint to ``output_dir/name`` (default
         ``<data_dir>/local_checkpoints/<adapter>/<name>``; it must not exist) plus the training
-        config (loss, optimizer, schedule position). Pending accumulated gradients are not saved.
-        Returns the directory."""
+        config (loss, optimizer, schedule position, ``consumed_train_samples`` for
+        `resume_from_checkpoint`). ``is_sampler``: weights for sampling only (no optimizer).
+        Pending accumulated gradients are not saved. Returns the directory."""
         st = self._st(adapter_name)
+        if consumed_train_samples is not None:
+            st.consumed_train_samples = check_count(consumed_train_samples)
         target = checkpoint_dir(self.data_dir, name, output_dir, adapter_name)
-        self.backend.save_state(adapter_name, str(target), include_optimizer=bool(save_optimizer))
+        with_optimizer = bool(save_optimizer) and not is_sampler
+        self.backend.save_state(adapter_name, str(target), include_optimizer=with_optimizer)
         st.write_train_config(target)
         return str(target)
+
+    def resume_from_checkpoint(
+        self,
+        name: str,
+        output_dir: str | os.PathLike | None = None,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        resume_only_model: bool = False,
+    ) -> dict[str, Any]:
+        """`load` with the optimizer (weights only if ``resume_only_model``); returns where
+        training stands: ``cur_step`` (applied optimizer steps), ``consumed_train_samples`` (as
+        given to `save`, for the data loader to skip), ``lr_scheduler_position``."""
+        target = self.load(
+            name, output_dir, adapter_name=adapter_name, load_optimizer=not resume_only_model
+        )
+        st = self._st(adapter_name)
+        return {
+            "checkpoint": target,
+            "cur_step": st.opt_steps,
+            "consumed_train_samples": st.consumed_train_samples,
+            "lr_scheduler_position": st.sched_t,
+        }
 
     def load(
         self,

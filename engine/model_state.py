@@ -66,6 +66,7 @@ class AdapterState:
     pending_grad: bool = False
     clip: float = 0.0  # grad_clip_norm of the next applied step
     opt_steps: int = 0
+    consumed_train_samples: int = 0  # as last given to save(), for resume_from_checkpoint
     template: Any = None
     processor: Any = None
     cached: tuple[list[DatumInput], dict] | None = None  # forward's inputs, for backward
@@ -108,6 +109,7 @@ class AdapterState:
             "lr_scheduler": self.schedule.describe() if self.schedule else None,
             "lr_scheduler_position": self.sched_t,
             "optimizer_steps": self.opt_steps,
+            "consumed_train_samples": self.consumed_train_samples,
         }
 
     def restore_train_config(self, cfg: dict[str, Any]) -> None:
@@ -130,6 +132,7 @@ class AdapterState:
         self.loss = (str(loss["name"]), str(loss["loss_fn"]), dict(loss["config"]))
         self.sched_t = int(cfg["lr_scheduler_position"])
         self.opt_steps = int(cfg["optimizer_steps"])
+        self.consumed_train_samples = int(cfg.get("consumed_train_samples", 0))
 
     def write_train_config(self, directory: Path) -> None:
         body = json.dumps(self.train_config(), indent=2, sort_keys=True) + "\n"
@@ -144,6 +147,12 @@ class AdapterState:
             self.restore_train_config(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"checkpoint {directory}: bad {TRAIN_CONFIG_FILE}: {e}") from None
+
+
+def check_count(value: Any, field: str = "consumed_train_samples") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UserInputError(f"{field} {value!r} must be an integer >= 0")
+    return value
 
 
 def pass_result(out: ForwardBackwardOutput, data: list[DatumInput], loss_fn: str) -> dict:

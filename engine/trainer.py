@@ -12,6 +12,7 @@ public method is a coroutine.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -259,6 +260,31 @@ class Trainer:
                 ),
                 "save",
             )
+
+    async def adapter_grad(self, model_id: str, seq_id: int, op: str) -> float | None:
+        """In seq order, the adapter's accumulated gradient for the native API's clip_grad_norm
+        / zero_grad: ``op`` "norm" → its L2 norm (0.0 without one), "zero" → drop it. None when
+        the backend gives no access to gradients."""
+        if op not in ("norm", "zero"):
+            raise ValueError(f"adapter_grad: unknown op {op!r}")
+
+        def run() -> float | None:
+            model = getattr(self.backend, "model", None)
+            if model is None:
+                return None
+            from engine.backends.lora import adapter_parameters
+
+            params = list(adapter_parameters(model, model_id).values())
+            if op == "zero":
+                for p in params:
+                    p.grad = None
+                return None
+            return math.sqrt(
+                sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
+            )
+
+        async with self._seq.turn(model_id, seq_id):
+            return await self._compute(model_id, FIXED_COST, run, f"grad_{op}")
 
     async def skip(self, model_id: str, seq_id: int) -> None:
         """Let a request the gateway rejected pass the ordering, so later ones are not held up."""

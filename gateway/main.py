@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from engine.config import ServerConfig
-from gateway import openai_api
+from gateway import openai_api, twinkle_api
 from gateway.db import make_engine
 from gateway.engine_client import EngineClient
 from gateway.errors import register_exception_handlers
@@ -41,6 +41,6 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     app.state.server_config = config
     app.state.engine_client = engine_client
     register_exception_handlers(app)
-    for module in (sessions, training, sampling, futures, runs, openai_api):
+    for module in (sessions, training, sampling, futures, runs, openai_api, twinkle_api):
         app.include_router(module.router)
     return app

@@ -1,0 +1,77 @@
+"""GRPO on math prompts with the native client: sample with the current policy, reward, train.
+
+    export TWINKLE_SERVER_URL=http://127.0.0.1:8000 TWINKLE_SERVER_TOKEN=tml-...
+    python cookbook/client/twinkle/self_host/grpo.py --steps 2
+
+Each step saves the adapter for sampling (``save(..., is_sampler=True)``), samples
+``--generations`` completions per prompt from it, scores them (exact final number, plus a small
+brevity bonus), turns rewards into group-relative advantages, and trains GRPOLoss on each
+sequence's ``new_input_feature`` (prompt + completion, completion-only labels, the sampler's
+log-probs as the old policy). Prints one JSON line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+from twinkle_client import init_twinkle_client
+from twinkle_client.dataloader import DataLoader
+from twinkle_client.dataset import Dataset
+from twinkle_client.model import MultiLoraTransformersModel
+from twinkle_client.sampler import vLLMSampler
+
+MODEL_ID = os.environ.get("TWINKLE_MODEL_ID", "twinkle/tiny-chat")
+DATA = Path(__file__).with_name("math_prompts.jsonl")
+
+
+def reward(text: str, truth: str | None) -> float:
+    nums = re.findall(r"-?\d+", text)
+    correct = 1.0 if truth is not None and nums and nums[-1] == truth else 0.0
+    return correct - 0.01 * len(text)
+
+
+def main(steps: int, generations: int) -> dict:
+    client = init_twinkle_client()
+    prompts = Dataset(str(DATA)).map("MathProcessor")  # {"messages", "ground_truth"}
+    loader = DataLoader(prompts, batch_size=2, shuffle=True, seed=0)
+    model = MultiLoraTransformersModel(MODEL_ID)
+    model.add_adapter_to_model("default", {"r": 8, "target_modules": "all-linear"})
+    model.set_loss("GRPOLoss", epsilon=0.2)
+    model.set_optimizer("AdamW", lr=1e-3)
+    sampler = vLLMSampler(MODEL_ID)
+    sampler.set_template("Template", max_length=256)
+    history = []
+    for step in range(steps):
+        batch = next(iter(loader), None) or next(iter(loader))
+        policy = model.save(f"grpo-policy-{step}", is_sampler=True)
+        params = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "num_samples": generations}
+        responses = sampler.sample(
+            [{"messages": row["messages"]} for row in batch], params, adapter_uri=policy
+        )
+        features, rewards = [], []
+        for row, res in zip(batch, responses):
+            group = [reward(s.decoded, row["ground_truth"]) for s in res.sequences]
+            mean = sum(group) / len(group)
+            std = (sum((g - mean) ** 2 for g in group) / len(group)) ** 0.5 or 1.0
+            for seq, g in zip(res.sequences, group):
+                features.append(dict(seq.new_input_feature, advantages=(g - mean) / std))
+            rewards += group
+        out = model.forward_backward(inputs=features)
+        metrics = model.step()
+        history.append(
+            {"loss": out["loss"], "mean_reward": sum(rewards) / len(rewards), **(metrics or {})}
+        )
+    client.close()
+    return {"steps": history}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--generations", type=int, default=4)
+    a = p.parse_args()
+    print(json.dumps(main(a.steps, a.generations)))

@@ -1,0 +1,165 @@
+"""Native management routes: sessions and heartbeats, capabilities, capacity, training runs and
+checkpoints, and the base models' tokenizer files.
+
+Runs and checkpoints are the same rows the Tinker routes serve (gateway/tinker_api/runs.py is
+reused, so both clients see one list); checkpoint paths are returned in both spellings
+(``tinker_path`` and ``twinkle_path``).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Query
+from fastapi.responses import FileResponse
+
+from engine.models.registry import resolve_model_dir
+from gateway.checkpoints import delete_checkpoint, readable_checkpoint
+from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep, owned_session
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.tables import SessionRow, utcnow
+from gateway.tinker_api import runs as tinker_runs
+from gateway.tinker_api import sessions as tinker_sessions
+from gateway.twinkle_api.schemas import CreateSessionRequest, HeartbeatRequest
+from gateway.twinkle_api.templates import TOKENIZER_FILES
+
+router = APIRouter(prefix="/api/v1/twinkle")
+
+
+def _with_twinkle_paths(obj):
+    """Add ``twinkle_path`` next to every ``tinker_path`` in a JSON body."""
+    if isinstance(obj, dict):
+        out = {k: _with_twinkle_paths(v) for k, v in obj.items()}
+        if isinstance(obj.get("tinker_path"), str):
+            out["twinkle_path"] = "twinkle://" + obj["tinker_path"].removeprefix("tinker://")
+        return out
+    if isinstance(obj, list):
+        return [_with_twinkle_paths(v) for v in obj]
+    return obj
+
+
+@router.post("/create_session")
+async def create_session(req: CreateSessionRequest, who: PrincipalDep, db: DbDep) -> dict:
+    row = SessionRow(
+        id=f"sess-{uuid.uuid4().hex[:16]}",
+        user_id=who.user_id,
+        sdk_version=f"twinkle_client/{req.client_version}" if req.client_version else None,
+        tags=req.tags,
+        user_metadata=req.metadata or {},
+    )
+    db.add(row)
+    db.commit()
+    return {"session_id": row.id}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(req: HeartbeatRequest, who: PrincipalDep, db: DbDep) -> dict:
+    row = owned_session(db, who, req.session_id)
+    row.last_heartbeat_at = utcnow()
+    db.add(row)
+    db.commit()
+    return {"session_id": row.id, "last_heartbeat_at": row.last_heartbeat_at.isoformat() + "Z"}
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(who: PrincipalDep, config: ConfigDep, engine: EngineDep) -> dict:
+    return await tinker_sessions.get_server_capabilities(who, config, engine)
+
+
+@router.get("/capacity_info")
+async def capacity_info(who: PrincipalDep, config: ConfigDep, engine: EngineDep) -> dict:
+    """Adapter slots per base model. Adapters beyond ``max_loras`` are offloaded to disk and
+    reloaded on use, so a full pool slows tenants down but never refuses them."""
+    models = []
+    for m in config.models:
+        pools = [s["pool"] for s in await engine.trainer_all(m.name, "stats")]  # every replica
+        used = sum(int(p["resident"]) for p in pools)
+        capacity = sum(int(p["capacity"]) for p in pools)
+        models.append(
+            {
+                "base_model": m.name,
+                "max_loras": capacity,
+                "used_loras": used,
+                "free_loras": max(0, capacity - used),
+                "offloaded_loras": sum(int(p["offloaded"]) for p in pools),
+            }
+        )
+    return {"models": models}
+
+
+@router.get("/training_runs")
+async def list_training_runs(
+    who: PrincipalDep,
+    db: DbDep,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0),
+) -> dict:
+    return _with_twinkle_paths(await tinker_runs.list_training_runs(who, db, limit, offset))
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(run_id: str, who: PrincipalDep, db: DbDep) -> dict:
+    return _with_twinkle_paths(await tinker_runs.get_training_run(run_id, who, db))
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_checkpoints(run_id: str, who: PrincipalDep, db: DbDep) -> dict:
+    return _with_twinkle_paths(await tinker_runs.list_run_checkpoints(run_id, who, db))
+
+
+@router.get("/checkpoint")
+async def get_checkpoint(who: PrincipalDep, db: DbDep, path: str = Query(...)) -> dict:
+    row = readable_checkpoint(db, who.user_id, path, "path")
+    return _with_twinkle_paths({"run_id": row.run_id, **tinker_runs.checkpoint_json(row)})
+
+
+@router.delete("/checkpoint")
+async def delete_checkpoint_route(who: PrincipalDep, db: DbDep, path: str = Query(...)) -> dict:
+    row = readable_checkpoint(db, who.user_id, path, "path")
+    if row.user_id != who.user_id:  # a public checkpoint of someone else: readable, not theirs
+        raise NotFoundError(f"path: checkpoint {path} not found")
+    delete_checkpoint(db, row)
+    return {"deleted": path}
+
+
+def _model_dir(config, settings, base_model: str):
+    m = config.model(base_model)
+    if m is None:
+        raise InvalidRequestError(
+            f"base_model: {base_model!r} is not served here; available: "
+            f"{[x.name for x in config.models]}"
+        )
+    return resolve_model_dir(m.name, str(settings.data_dir), m.path)
+
+
+@router.get("/tokenizer")
+async def tokenizer_files(
+    who: PrincipalDep, config: ConfigDep, settings: SettingsDep, base_model: str = Query(...)
+) -> dict:
+    """The tokenizer files of ``base_model`` a client may download (a client needs no hub)."""
+    d = _model_dir(config, settings, base_model)
+    return {
+        "base_model": base_model,
+        "files": [
+            {"name": f, "size_bytes": (d / f).stat().st_size}
+            for f in TOKENIZER_FILES
+            if (d / f).is_file()
+        ],
+    }
+
+
+@router.get("/tokenizer/{filename}")
+async def tokenizer_file(
+    filename: str,
+    who: PrincipalDep,
+    config: ConfigDep,
+    settings: SettingsDep,
+    base_model: str = Query(...),
+) -> FileResponse:
+    d = _model_dir(config, settings, base_model)
+    if filename not in TOKENIZER_FILES or not (d / filename).is_file():
+        raise NotFoundError(
+            f"filename: {filename!r} is not a tokenizer file of {base_model}; "
+            f"GET /api/v1/twinkle/tokenizer lists them"
+        )
+    return FileResponse(d / filename, filename=filename)

@@ -1,0 +1,114 @@
+"""A `TrainingBackend` that forwards to the shared Trainer through the engine client.
+
+The native routes run the engine's own `MultiLoraTransformersModel` (engine/model.py) on the
+gateway, so a remote script gets exactly the in-process class's semantics (loss configs,
+gradient accumulation, LR schedules, metrics, checkpoint training configs). Its compute goes to
+the same Trainer the Tinker routes use, through this backend: each adapter name of a native model
+becomes one training run (``{model_id}:{adapter_name}``) in the shared adapter pool, with its own
+seq_id sequence (0 = creation), under the caller's tenant.
+
+The model class is synchronous, so routes drive it on a worker thread; this backend hands each
+call to the event loop and waits for it (`asyncio.run_coroutine_threadsafe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine.backends.base import TrainingBackend
+from engine.errors import AdapterNotFoundError
+from engine.protocol import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    LoraSpec,
+    OptimStepOutput,
+)
+from gateway.engine_client import EngineClient
+
+
+class TrainerProxyBackend(TrainingBackend):
+    def __init__(
+        self,
+        engine: EngineClient,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        base_model: str,
+        model_id: str,
+        tenant: str,
+        vocab_size: int,
+        max_lora_rank: int,
+    ) -> None:
+        self._engine, self._loop = engine, loop
+        self.base_model, self.model_id, self.tenant = base_model, model_id, tenant
+        self.vocab_size, self.max_lora_rank = vocab_size, max_lora_rank
+        self._next_seq: dict[str, int] = {}  # run id → next seq_id (present = created)
+        self._specs: dict[str, LoraSpec] = {}
+
+    def run_id(self, adapter_name: str) -> str:
+        return f"{self.model_id}:{adapter_name}"
+
+    def _call(self, method: str, *args: Any) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(
+            self._engine.trainer(self.base_model, method, *args), self._loop
+        )
+        return fut.result()
+
+    def _seq(self, adapter_name: str) -> tuple[str, int]:
+        rid = self.run_id(adapter_name)
+        if rid not in self._next_seq:
+            raise AdapterNotFoundError(f"adapter {adapter_name!r} is not in this model")
+        seq = self._next_seq[rid]
+        self._next_seq[rid] = seq + 1  # a failed request still advances the Trainer's sequence
+        return rid, seq
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        rid = self.run_id(adapter_id)
+        self._call("create_adapter", rid, spec, self.tenant)
+        self._next_seq[rid], self._specs[rid] = 1, spec
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return self.run_id(adapter_id) in self._next_seq
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        rid = self.run_id(adapter_id)
+        if self._next_seq.pop(rid, None) is not None:
+            self._call("delete_adapter", rid)
+        self._specs.pop(rid, None)
+
+    def adapter_spec(self, adapter_id: str) -> LoraSpec:
+        try:
+            return self._specs[self.run_id(adapter_id)]
+        except KeyError:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} is not in this model") from None
+
+    # -- sequenced work ------------------------------------------------------------------------
+    def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
+        rid, seq = self._seq(adapter_id)
+        return self._call("forward_backward", rid, seq, inp)
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
+        rid, seq = self._seq(adapter_id)
+        return self._call("optim_step", rid, seq, params)
+
+    def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
+        rid, seq = self._seq(adapter_id)
+        return int(self._call("save_state", rid, seq, directory, include_optimizer))
+
+    def load_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> LoraSpec:
+        rid = self.run_id(adapter_id)
+        if rid in self._next_seq:
+            rid, seq = self._seq(adapter_id)
+            spec = self._call("load_state", rid, seq, directory, include_optimizer)
+        else:  # create-via-load: the run's seq 0
+            spec = self._call("load_state", rid, None, directory, include_optimizer, self.tenant)
+            self._next_seq[rid] = 1
+        self._specs[rid] = spec
+        return spec
+
+    def grad_op(self, adapter_id: str, op: str) -> float | None:
+        """The accumulated gradient's L2 norm ("norm") or dropping it ("zero"), in seq order."""
+        rid, seq = self._seq(adapter_id)
+        return self._call("adapter_grad", rid, seq, op)
