@@ -8,7 +8,7 @@ are the gateway's `Settings`, not this file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -32,22 +32,36 @@ class ModelConfig(_Strict):
     name: str = Field(description="Base model name clients use (e.g. twinkle/tiny-chat)")
     path: str | None = Field(None, description="Local HF folder; None only for built-in models")
     backend: Literal["transformers"] = Field("transformers", description="Training backend")
-    sampler_type: Literal["torch"] = Field("torch", description="Sampler backend")
+    sampler_type: Literal["torch", "vllm"] = Field(
+        "torch",
+        description="Sampler backend: torch (CPU or one GPU, built in) or vllm (GPU; "
+        "needs the `gpu` extra)",
+    )
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="With sampler_type vllm: extra vllm.LLM keyword "
+        "arguments (e.g. gpu_memory_utilization, max_model_len, dtype, max_loras)",
+    )
     max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank accepted")
     max_context_length: int | None = Field(
         None, ge=1, description="Advertised context length; default: the model's positions"
     )
     max_loaded_adapters: int = Field(
-        64, ge=1, description="Adapters resident per Trainer replica; idle ones beyond this are "
-        "offloaded to disk (LRU) and reloaded on next use"
+        64,
+        ge=1,
+        description="Adapters resident per Trainer replica; idle ones beyond this are "
+        "offloaded to disk (LRU) and reloaded on next use",
     )
     slice_tokens: int = Field(
-        1024, ge=16, description="Large forward_backward requests run in slices of at most this "
-        "many tokens, so other tenants' work interleaves (fairness)"
+        1024,
+        ge=16,
+        description="Large forward_backward requests run in slices of at most this "
+        "many tokens, so other tenants' work interleaves (fairness)",
     )
     execution: Literal["auto", "fused", "sequential"] = Field(
-        "auto", description="Run ready work of several adapters as one fused batch, one by one, "
-        "or pick whichever a start-up measurement on this device finds faster"
+        "auto",
+        description="Run ready work of several adapters as one fused batch, one by one, "
+        "or pick whichever a start-up measurement on this device finds faster",
     )
     trainer: ReplicaConfig = Field(default_factory=ReplicaConfig)
     sampler: ReplicaConfig = Field(default_factory=ReplicaConfig)
@@ -57,7 +71,9 @@ class ModelConfig(_Strict):
         if self.max_lora_rank & (self.max_lora_rank - 1):
             raise ValueError(f"max_lora_rank must be a power of 2, got {self.max_lora_rank}")
         if self.path is None and self.name != TINY_MODEL_NAME:
-            raise ValueError(f"model {self.name!r} needs a 'path' (only {TINY_MODEL_NAME} is built in)")
+            raise ValueError(
+                f"model {self.name!r} needs a 'path' (only {TINY_MODEL_NAME} is built in)"
+            )
         return self
 
 
@@ -83,8 +99,10 @@ class ServerConfig(_Strict):
         120.0, gt=0, description="How long a model's queue waits for a missing seq_id"
     )
     max_concurrent_samples_per_user: int = Field(
-        64, ge=0, description="Sampling requests (Tinker asample, OpenAI completions) one user may "
-        "have in flight at once; more get 429 with retry-after. 0 = no limit"
+        64,
+        ge=0,
+        description="Sampling requests (Tinker asample, OpenAI completions) one user may "
+        "have in flight at once; more get 429 with retry-after. 0 = no limit",
     )
 
     @model_validator(mode="after")
@@ -113,6 +131,7 @@ class ServerConfig(_Strict):
             return cls.model_validate(raw)
         except ValidationError as exc:
             problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+                f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
+                for e in exc.errors()
             )
             raise ConfigError(f"invalid {source}: {problems}") from None

@@ -32,10 +32,20 @@ Listener = Callable[[int, int, float], None]
 
 
 def build_sampling_backend(model: ModelConfig, data_dir: str) -> SamplingBackend:
-    from engine.backends.torch_sampler import TorchSamplingBackend
+    """The backend ``model.sampler_type`` names (imported here: vllm is an optional extra)."""
     from engine.models.registry import resolve_model_dir
 
-    return TorchSamplingBackend(str(resolve_model_dir(model.name, data_dir, model.path)))
+    model_dir = str(resolve_model_dir(model.name, data_dir, model.path))
+    if model.sampler_type == "vllm":
+        from engine.backends.vllm_sampler import VllmSamplingBackend
+
+        args = dict(model.vllm_engine_args)
+        if model.max_context_length is not None:
+            args.setdefault("max_model_len", model.max_context_length)
+        return VllmSamplingBackend(model_dir, max_lora_rank=model.max_lora_rank, engine_args=args)
+    from engine.backends.torch_sampler import TorchSamplingBackend
+
+    return TorchSamplingBackend(model_dir)
 
 
 def _takes_listeners(sample_many) -> bool:
@@ -255,7 +265,9 @@ class Sampler:
         out: list[int] = []
         for j, t in enumerate(tokens):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise UserInputError(f"{field}: token id {t!r} at position {j} must be an integer >= 0")
+                raise UserInputError(
+                    f"{field}: token id {t!r} at position {j} must be an integer >= 0"
+                )
             out.append(int(t))
         return out
 

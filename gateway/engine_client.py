@@ -66,15 +66,11 @@ class EngineClient:
 
     async def trainer_all(self, base_model: str, method: str, *args: Any) -> list[Any]:
         """Call every Trainer replica (e.g. ``stats``), in replica order."""
-        return [
-            await self._call(t, method, args) for t in self.replicas(base_model, "trainer")
-        ]
+        return [await self._call(t, method, args) for t in self.replicas(base_model, "trainer")]
 
     async def sampler_all(self, base_model: str, method: str, *args: Any) -> list[Any]:
         """Call every Sampler replica, in replica order."""
-        return [
-            await self._call(t, method, args) for t in self.replicas(base_model, "sampler")
-        ]
+        return [await self._call(t, method, args) for t in self.replicas(base_model, "sampler")]
 
     async def sampler(
         self, base_model: str, method: str, *args: Any, affinity: str | None = None

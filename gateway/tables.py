@@ -51,7 +51,9 @@ class SessionRow(SQLModel, table=True):
     user_id: int = Field(foreign_key="users.id", index=True)
     sdk_version: str | None = Field(default=None, max_length=32)
     tags: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
-    user_metadata: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    user_metadata: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False)
+    )
     project_id: str | None = Field(default=None, max_length=128)
     display_name: str | None = Field(default=None, max_length=256)
     created_at: NaiveDatetime = Field(default_factory=utcnow)
@@ -74,7 +76,9 @@ class TrainingRunRow(SQLModel, table=True):
     train_mlp: bool = True
     train_unembed: bool = True
     seed: int = 0
-    user_metadata: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    user_metadata: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False)
+    )
     created_at: NaiveDatetime = Field(default_factory=utcnow)
     last_request_time: NaiveDatetime = Field(default_factory=utcnow)
 
@@ -84,7 +88,9 @@ class CheckpointRow(SQLModel, table=True):
     "external" (external_weights/); ``storage_dir`` is server-side and never sent to clients."""
 
     __tablename__ = "checkpoints"
-    __table_args__ = (UniqueConstraint("run_id", "kind", "name", name="uq_checkpoint_run_kind_name"),)
+    __table_args__ = (
+        UniqueConstraint("run_id", "kind", "name", name="uq_checkpoint_run_kind_name"),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     run_id: str = Field(foreign_key="training_runs.id", index=True, max_length=128)
@@ -96,7 +102,9 @@ class CheckpointRow(SQLModel, table=True):
     size_bytes: int = 0
     public: bool = False
     ephemeral: bool = False
-    user_metadata: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    user_metadata: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False)
+    )
     created_at: NaiveDatetime = Field(default_factory=utcnow)
     expires_at: NaiveDatetime | None = None
 

@@ -51,8 +51,19 @@ def run_redis() -> Iterator[str]:
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="twinkle-redis-")
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir],
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -104,15 +115,25 @@ def run_postgres() -> Iterator[str]:
     if as_root:
         shutil.chown(root, "postgres")
         shutil.chown(sock, "postgres")
-    subprocess.run([*prefix, initdb, "-D", str(data), "-U", user, "-A", "trust"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [*prefix, initdb, "-D", str(data), "-U", user, "-A", "trust"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     opts = f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={sock} -c fsync=off"
-    subprocess.run([*prefix, pg_ctl, "-D", str(data), "-l", str(root / "pg.log"), "-o", opts, "-w",
-                    "start"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [*prefix, pg_ctl, "-D", str(data), "-l", str(root / "pg.log"), "-o", opts, "-w", "start"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     try:
         _wait_port(port)
         yield f"postgresql+psycopg://{user}@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "stop"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "stop"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         shutil.rmtree(root, ignore_errors=True)

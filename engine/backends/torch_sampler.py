@@ -10,15 +10,12 @@ and prompt logprobs. `sample` is `sample_many` of one request.
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from engine.backends.base import SamplingBackend
@@ -28,23 +25,15 @@ from engine.backends.lora import (
     load_adapter,
     remove_adapter,
 )
+from engine.backends.sample_checks import validate_sample_input
 from engine.backends.sampler_decode import RequestState, decode_batch
 from engine.backends.sampler_decode import filter_logits as _filter_logits  # noqa: F401 (tests)
-from engine.errors import CheckpointError, EngineError, UserInputError
-from engine.protocol import SampleInput, SampleOutput, SamplingParams
+from engine.errors import CheckpointError, EngineError
+from engine.protocol import SampleInput, SampleOutput
 
 
-#: widest top-k logprobs matrix per position we return (Tinker bounds it too; 20 is OpenAI's);
-#: also the bound of prompt_alt_tokens_k
-MAX_TOPK = 20
-#: token ids scored per prompt position with target_prompt_logprobs
-MAX_TARGET_IDS = 64
+#: the prompt_alt_tokens draws of a seeded request use this seed XOR the request seed
 ALT_SEED_XOR = 0x5EED_A17
-
-
-def _is_int(v) -> bool:
-    # numpy integers count (numbers.Integral); bools do not
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 class TorchSamplingBackend(SamplingBackend):
@@ -124,85 +113,9 @@ class TorchSamplingBackend(SamplingBackend):
     # ------------------------------------------------------------------------------- validation
 
     def _validate(self, inp: SampleInput) -> None:
-        p: SamplingParams = inp.params
-        prompt = inp.prompt_tokens
-        if not prompt:
-            raise UserInputError("prompt: must contain at least one token")
-        for j, t in enumerate(prompt):
-            if not _is_int(t) or not 0 <= t < self.vocab_size:
-                raise UserInputError(
-                    f"prompt: token id {t!r} at position {j} is out of range [0, {self.vocab_size}) (the vocab size)"
-                )
-        if not _is_int(inp.num_samples) or inp.num_samples < 1:
-            raise UserInputError(f"num_samples: {inp.num_samples!r} must be an integer >= 1")
-        if not _is_int(p.max_tokens) or p.max_tokens < 1:
-            raise UserInputError(
-                f"sampling_params.max_tokens: {p.max_tokens!r} must be an integer >= 1"
-            )
-        if len(prompt) + p.max_tokens > self.max_positions:
-            raise UserInputError(
-                f"sampling_params.max_tokens: prompt length {len(prompt)} + max_tokens "
-                f"{p.max_tokens} "
-                f"exceeds the model's maximum sequence length {self.max_positions}"
-            )
-        if (
-            not (isinstance(p.temperature, (int, float)) and math.isfinite(p.temperature))
-            or p.temperature < 0
-        ):
-            raise UserInputError(f"sampling_params.temperature: {p.temperature!r} must be >= 0")
-        if not _is_int(p.top_k) or p.top_k < -1:
-            raise UserInputError(f"sampling_params.top_k: {p.top_k!r} must be -1 (off) or >= 1")
-        if not (isinstance(p.top_p, (int, float)) and 0 < p.top_p <= 1):
-            raise UserInputError(f"sampling_params.top_p: {p.top_p!r} must be in (0, 1]")
-        if p.seed is not None and not _is_int(p.seed):
-            raise UserInputError(f"sampling_params.seed: {p.seed!r} must be an integer")
-        for t in p.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise UserInputError(
-                    f"sampling_params.stop: token id {t!r} must be an integer >= 0"
-                )
-        if any(not isinstance(s, str) or not s for s in p.stop_strings):
-            raise UserInputError("sampling_params.stop: stop strings must be non-empty strings")
-        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
-            k = getattr(inp, name)
-            if not _is_int(k) or not 0 <= k <= MAX_TOPK:
-                raise UserInputError(f"{name}: {k!r} must be an integer in [0, {MAX_TOPK}]")
-        if inp.topk_prompt_logprobs and not inp.prompt_logprobs:
-            raise UserInputError("topk_prompt_logprobs: needs include_prompt_logprobs (prompt_logprobs)")
-        k = inp.prompt_alt_tokens_k
-        if not _is_int(k) or not 0 <= k <= MAX_TOPK:
-            raise UserInputError(f"prompt_alt_tokens_k: {k!r} must be an integer in [0, {MAX_TOPK}]")
-        if k and len(prompt) < 2:
-            raise UserInputError("prompt_alt_tokens_k: needs a prompt of at least 2 tokens")
-        if inp.target_prompt_ids is not None:
-            self._validate_targets(np.asarray(inp.target_prompt_ids), len(prompt))
-        n = inp.prompt_logprobs_last_n
-        if n is not None:
-            if not inp.prompt_logprobs:
-                raise UserInputError(
-                    "prompt_logprobs_last_n: applies to prompt logprobs; set prompt_logprobs"
-                )
-            if not _is_int(n) or not 1 <= n <= len(prompt) - 1:
-                raise UserInputError(
-                    f"prompt_logprobs_last_n: {n!r} must be between 1 and len(prompt) - 1 = "
-                    f"{len(prompt) - 1}"
-                )
-
-    def _validate_targets(self, ids: np.ndarray, prompt_len: int) -> None:
-        rows = prompt_len - 1
-        if ids.ndim != 2 or ids.shape[0] != rows or not 1 <= ids.shape[1] <= MAX_TARGET_IDS:
-            raise UserInputError(
-                f"target_prompt_logprobs: shape {list(ids.shape)} must be [len(prompt) - 1 = "
-                f"{rows}, K] with 1 <= K <= {MAX_TARGET_IDS}"
-            )
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise UserInputError("target_prompt_logprobs: must hold int64 token ids")
-        if ((ids < -1) | (ids >= self.vocab_size)).any():
-            raise UserInputError(
-                f"target_prompt_logprobs: token ids must be -1 (none) or in [0, {self.vocab_size})"
-            )
-        if not (ids >= 0).any():
-            raise UserInputError("target_prompt_logprobs: must name at least one token id")
+        validate_sample_input(
+            inp, vocab_size=self.vocab_size, max_positions=self.max_positions, logprob_extras=True
+        )
 
     # ------------------------------------------------------------------------------- decoding
 

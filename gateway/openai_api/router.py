@@ -189,9 +189,7 @@ async def _run(
     engine, target: Target, inp: SampleInput, stops: list[str], first_index: int, field: str
 ) -> list[R.Choice]:
     try:
-        out = await engine.sampler(
-            target.base_model, "sample", inp, affinity=target.adapter_dir
-        )
+        out = await engine.sampler(target.base_model, "sample", inp, affinity=target.adapter_dir)
     except UserInputError as exc:
         raise _as_invalid(exc, field) from None
     choices = []
@@ -254,7 +252,14 @@ async def chat_completions(
             )
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = S.chat_sse(
-                rid, req.model, created, req.n, events, len(prompt), logprobs, include_usage,
+                rid,
+                req.model,
+                created,
+                req.n,
+                events,
+                len(prompt),
+                logprobs,
+                include_usage,
                 slot.release,
             )
             return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -327,7 +332,13 @@ async def completions(
                 lambda exc: _engine_error(exc, inputs[0][0]),
             )
             stream = S.completion_sse(
-                rid, req.model, created, events, prompt_tokens, logprobs, include_usage,
+                rid,
+                req.model,
+                created,
+                events,
+                prompt_tokens,
+                logprobs,
+                include_usage,
                 slot.release,
             )
             return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)

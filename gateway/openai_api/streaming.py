@@ -111,7 +111,9 @@ async def sample_events(
                 limit = min(limit, min(cuts))
             end = _sendable(pieces, t.sent_tokens, limit)
             if end > t.sent_tokens:
-                ev = TextEvent(t.index, pieces[t.sent_tokens : end], t.logprobs[t.sent_tokens : end])
+                ev = TextEvent(
+                    t.index, pieces[t.sent_tokens : end], t.logprobs[t.sent_tokens : end]
+                )
                 t.sent_tokens = end
                 t.sent_chars += len(ev.text)
                 yield ev

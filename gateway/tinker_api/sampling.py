@@ -50,10 +50,16 @@ async def create_sampling_session(
     base, adapter_dir, path = _resolve_target(db, who, config, req.base_model, req.model_path)
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}"
     if db.get(SamplingSessionRow, sampler_id) is None:
-        db.add(SamplingSessionRow(
-            id=sampler_id, session_id=session.id, user_id=who.user_id, base_model=base,
-            model_path=path, adapter_dir=adapter_dir,
-        ))
+        db.add(
+            SamplingSessionRow(
+                id=sampler_id,
+                session_id=session.id,
+                user_id=who.user_id,
+                base_model=base,
+                model_path=path,
+                adapter_dir=adapter_dir,
+            )
+        )
         db.commit()
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
@@ -76,8 +82,13 @@ def _sampling_params(req: SampleRequest) -> SamplingParams:
     elif isinstance(stop, list):
         strings = [str(s) for s in stop]
     return SamplingParams(
-        max_tokens=sp.max_tokens or DEFAULT_MAX_TOKENS, temperature=sp.temperature, top_p=sp.top_p,
-        top_k=sp.top_k, seed=sp.seed, stop_strings=strings, stop_token_ids=token_ids,
+        max_tokens=sp.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        seed=sp.seed,
+        stop_strings=strings,
+        stop_token_ids=token_ids,
         stop_at_eos=stop is None,
     )
 
@@ -101,8 +112,13 @@ def _prompt_tokens(req: SampleRequest) -> list[int]:
 
 @router.post("/asample")
 async def asample(
-    req: SampleRequest, who: PrincipalDep, db: DbDep, engine: EngineDep, futures: FuturesDep,
-    config: ConfigDep, limiter: SamplingLimiterDep,
+    req: SampleRequest,
+    who: PrincipalDep,
+    db: DbDep,
+    engine: EngineDep,
+    futures: FuturesDep,
+    config: ConfigDep,
+    limiter: SamplingLimiterDep,
 ) -> dict:
     if req.sampling_session_id:
         row = owned_sampler(db, who, req.sampling_session_id)
@@ -119,12 +135,16 @@ async def asample(
     if req.target_prompt_logprobs is not None:
         target_ids, target_csr = target_ids_from_wire(req.target_prompt_logprobs)
     inp = SampleInput(
-        prompt_tokens=_prompt_tokens(req), num_samples=req.num_samples,
-        params=_sampling_params(req), prompt_logprobs=req.prompt_logprobs, adapter_dir=adapter_dir,
+        prompt_tokens=_prompt_tokens(req),
+        num_samples=req.num_samples,
+        params=_sampling_params(req),
+        prompt_logprobs=req.prompt_logprobs,
+        adapter_dir=adapter_dir,
         topk_prompt_logprobs=req.topk_prompt_logprobs,
         topk_sample_logprobs=req.topk_sample_logprobs,
         prompt_logprobs_last_n=req.prompt_logprobs_last_n,
-        prompt_alt_tokens_k=req.prompt_alt_tokens_k, target_prompt_ids=target_ids,
+        prompt_alt_tokens_k=req.prompt_alt_tokens_k,
+        target_prompt_ids=target_ids,
     )
 
     # One slot of the user's concurrent-sampling limit from submit until the future finishes;

@@ -91,7 +91,10 @@ def test_models_reach_their_trainer_and_sessions_stick_to_a_sampler(tmp_path):
     env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path), HF_HUB_OFFLINE="1")
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=400,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]

@@ -175,8 +175,13 @@ def test_topk_and_last_n_prompt_logprobs_through_the_sdk(service):
     prompt = types.ModelInput.from_ints(SEQS[2])
     params = types.SamplingParams(max_tokens=4, temperature=0.0)
     res = sc.sample(
-        prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3,
-        topk_sample_logprobs=2, prompt_logprobs_last_n=4,
+        prompt,
+        1,
+        params,
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+        topk_sample_logprobs=2,
+        prompt_logprobs_last_n=4,
     ).result()
     n = len(SEQS[2])
     assert res.prompt_logprobs[: n - 4] == [None] * (n - 4)
@@ -207,10 +212,18 @@ def test_target_prompt_logprobs_and_alt_tokens_through_the_sdk(service):
     ids = torch.full((n - 1, 2), -1, dtype=torch.int64)
     ids[:, 0] = torch.tensor(toks[1:])  # the prompt's own next tokens
     ids[3, 1] = 7
-    for target in (types.TensorData.from_torch(ids),
-                   types.TensorData.from_torch_sparse(ids, pad_value=-1)):
-        res = sc.sample(prompt, 1, params, include_prompt_logprobs=True,
-                        target_prompt_logprobs=target, prompt_alt_tokens_k=3).result()
+    for target in (
+        types.TensorData.from_torch(ids),
+        types.TensorData.from_torch_sparse(ids, pad_value=-1),
+    ):
+        res = sc.sample(
+            prompt,
+            1,
+            params,
+            include_prompt_logprobs=True,
+            target_prompt_logprobs=target,
+            prompt_alt_tokens_k=3,
+        ).result()
         got = res.target_prompt_logprobs.to_torch()
         got = got.to_dense() if got.is_sparse or got.layout != torch.strided else got
         assert list(got.shape) == [n - 1, 2]

@@ -167,7 +167,11 @@ def test_alembic_cli_from_repo_root(tmp_path: Path) -> None:
     env["TWINKLE_DATA_DIR"] = str(tmp_path / "data")
     proc = subprocess.run(
         [sys.executable, "-m", "alembic", "upgrade", "head"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     url = f"sqlite:///{tmp_path / 'data' / 'twinkle.db'}"

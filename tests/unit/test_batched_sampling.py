@@ -382,9 +382,11 @@ def test_sample_stream_yields_tokens_as_generated_and_equals_sample(sampler, ada
 
     async def main():
         deltas = []
+
         async def consume():
             async for d in svc.sample_stream(seeded):
                 deltas.append((time.perf_counter(), d))
+
         t_other = asyncio.ensure_future(svc.sample(other))
         await consume()
         return deltas, await t_other

@@ -7,7 +7,6 @@ import statistics
 import time
 
 import numpy as np
-import pytest
 
 from engine.config import ModelConfig
 from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec

@@ -475,8 +475,11 @@ def test_alt_tokens_and_target_prompt_logprobs(tiny_model_dir, sampler, perturbe
     assert [s.tokens for s in plain.sequences] == [s.tokens for s in out.sequences]
     assert plain.prompt_alt_tokens is None and plain.target_prompt_logprobs is None
     greedy = sampler.sample(
-        SampleInput(prompt_tokens=prompt, params=SamplingParams(max_tokens=1, temperature=0),
-                    prompt_alt_tokens_k=2)
+        SampleInput(
+            prompt_tokens=prompt,
+            params=SamplingParams(max_tokens=1, temperature=0),
+            prompt_alt_tokens_k=2,
+        )
     )
     with torch.no_grad():
         base_lp = sampler.model(torch.tensor([prompt])).logits[0, : n - 1]
