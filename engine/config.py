@@ -98,6 +98,37 @@ class ServerConfig(_Strict):
     seq_gap_timeout_seconds: float = Field(
         120.0, gt=0, description="How long a model's queue waits for a missing seq_id"
     )
+    # -- Tinker API surface (issue #5) --
+    future_ttl_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a finished future's result is kept for retrieval; "
+        "afterwards retrieve_future answers 410 (for a day)",
+    )
+    metadata_only_min_bytes: int = Field(
+        1 << 20,
+        ge=0,
+        description="A finished protobuf result this large is first announced as "
+        "complete_metadata when the SDK allows it (it reserves its byte budget first)",
+    )
+    session_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="A session with no heartbeat for this long expires: its "
+        "adapters are released (saved checkpoints stay) and its clients get 410",
+    )
+    session_sweep_seconds: float = Field(
+        30.0, gt=0, description="How often expired sessions and checkpoints are swept"
+    )
+    download_url_ttl_seconds: float = Field(
+        3600.0, gt=0, description="Lifetime of signed external-weights download URLs"
+    )
+    sdk_deprecated_below: str = Field(
+        "0.38.0", description="Tinker SDK versions below this get x-deprecation-level: warning"
+    )
+    sdk_unsupported_below: str = Field(
+        "0.16.0", description="Tinker SDK versions below this get x-deprecation-level: error"
+    )
     max_concurrent_samples_per_user: int = Field(
         64,
         ge=0,

@@ -22,8 +22,10 @@ from typing import Any
 
 #: tokens a tenant may spend per round before the next tenant's turn (about one small step)
 DEFAULT_QUANTUM = 1024
-#: event-loop turns the worker yields after each job (a woken request needs about 5 to enqueue)
-CONTINUATION_YIELDS = 10
+#: event-loop turns the worker yields after each job, so a request woken by its result (the same
+#: model's next slice or optim_step) enqueues before the next pick: it takes about 5 turns, 12
+#: through the exactly-once wrapper (engine/once.py: task + shield); 32 turns cost ~50 us
+CONTINUATION_YIELDS = 32
 #: cost charged to work that is not a token batch (optim_step, save, load)
 FIXED_COST = 64
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from engine.adapter_pool import AdapterPool
 from engine.backends.base import TrainingBackend
 from engine.config import ModelConfig
+from engine.once import OnceCache
 from engine.protocol import (
     AdamParams,
     ForwardBackwardInput,
@@ -62,6 +63,9 @@ class Trainer:
         self._seq = Sequencer(gap_timeout)
         self._tenant: dict[str, str] = {}
         self._waiting: dict[tuple[str, int], str] = {}
+        # A repeated (model_id, seq_id) (a gateway replica re-driving a request after another
+        # replica died) gets the first execution's result; see engine/once.py.
+        self._once = OnceCache()
 
     # -- helpers -------------------------------------------------------------------------------
     async def _compute(self, model_id: str, cost: int, fn, label: str, fuse_item=None):
@@ -152,7 +156,7 @@ class Trainer:
         return {"queue_state": "active", "reason": "in progress"}
 
     # -- lifecycle -----------------------------------------------------------------------------
-    async def create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
+    async def _create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
         """The model's seq 0: afterwards its next request is seq 1."""
         self._tenant[model_id] = tenant or model_id
 
@@ -163,7 +167,7 @@ class Trainer:
         await self._sched.run(self._tenant[model_id], model_id, FIXED_COST, create, "create")
         self._seq.start(model_id, 1)
 
-    async def load_state(
+    async def _load_state(
         self,
         model_id: str,
         seq_id: int | None,
@@ -207,9 +211,10 @@ class Trainer:
         )
         self._seq.forget(model_id)
         self._tenant.pop(model_id, None)
+        self._once.forget(model_id)
 
     # -- sequenced work ------------------------------------------------------------------------
-    async def forward_backward(
+    async def _forward_backward(
         self, model_id: str, seq_id: int, inp: ForwardBackwardInput
     ) -> ForwardBackwardOutput:
         async with self._seq.turn(model_id, seq_id):
@@ -239,7 +244,7 @@ class Trainer:
                 )
             return merge_outputs(outs)
 
-    async def optim_step(self, model_id: str, seq_id: int, params: AdamParams) -> OptimStepOutput:
+    async def _optim_step(self, model_id: str, seq_id: int, params: AdamParams) -> OptimStepOutput:
         async with self._seq.turn(model_id, seq_id):
             return await self._compute(
                 model_id,
@@ -248,7 +253,7 @@ class Trainer:
                 "optim_step",
             )
 
-    async def save_state(
+    async def _save_state(
         self, model_id: str, seq_id: int, directory: str, include_optimizer: bool
     ) -> int:
         async with self._seq.turn(model_id, seq_id):
@@ -286,7 +291,53 @@ class Trainer:
         async with self._seq.turn(model_id, seq_id):
             return await self._compute(model_id, FIXED_COST, run, f"grad_{op}")
 
-    async def skip(self, model_id: str, seq_id: int) -> None:
+    async def _skip(self, model_id: str, seq_id: int) -> None:
         """Let a request the gateway rejected pass the ordering, so later ones are not held up."""
         async with self._seq.turn(model_id, seq_id):
             pass
+
+    async def create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
+        return await self._once.run(
+            (model_id, 0), lambda: self._create_adapter(model_id, spec, tenant)
+        )
+
+    async def forward_backward(
+        self, model_id: str, seq_id: int, inp: ForwardBackwardInput
+    ) -> ForwardBackwardOutput:
+        return await self._once.run(
+            (model_id, seq_id), lambda: self._forward_backward(model_id, seq_id, inp)
+        )
+
+    async def optim_step(self, model_id: str, seq_id: int, params: AdamParams) -> OptimStepOutput:
+        return await self._once.run(
+            (model_id, seq_id), lambda: self._optim_step(model_id, seq_id, params)
+        )
+
+    async def skip(self, model_id: str, seq_id: int) -> None:
+        """Let a request the gateway rejected pass the ordering (exactly once per seq_id)."""
+        return await self._once.run((model_id, seq_id), lambda: self._skip(model_id, seq_id))
+
+    async def save_state(
+        self, model_id: str, seq_id: int, directory: str, include_optimizer: bool
+    ) -> int:
+        return await self._once.run(
+            (model_id, seq_id),
+            lambda: self._save_state(model_id, seq_id, directory, include_optimizer),
+        )
+
+    async def load_state(
+        self,
+        model_id: str,
+        seq_id: int | None,
+        directory: str,
+        include_optimizer: bool,
+        tenant: str = "",
+    ) -> LoraSpec:
+        return await self._once.run(
+            (model_id, 0 if seq_id is None else seq_id),
+            lambda: self._load_state(model_id, seq_id, directory, include_optimizer, tenant),
+        )
+
+    async def replays(self) -> int:
+        """How many repeated (model_id, seq_id) calls were answered from the first execution."""
+        return self._once.replays

@@ -15,7 +15,7 @@ from sqlmodel import Session
 from engine.config import ServerConfig
 from gateway.auth import Principal, PrincipalDep
 from gateway.engine_client import EngineClient
-from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.errors import GoneError, InvalidRequestError, NotFoundError
 from gateway.futures import FutureStore
 from gateway.settings import Settings
 from gateway.tables import SamplingSessionRow, SessionRow, TrainingRunRow
@@ -55,6 +55,10 @@ def owned_session(db: Session, who: Principal, session_id: str) -> SessionRow:
     row = db.get(SessionRow, session_id)
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"session_id: session {session_id!r} not found")
+    if row.finish_reason == "expired":  # gateway.sweeper: silent too long, adapters released
+        from gateway.sweeper import expired_session_message
+
+        raise GoneError(expired_session_message(row.id))
     if row.finished_at is not None:
         raise InvalidRequestError(
             f"session_id: session {session_id!r} was finished; create a new ServiceClient"
@@ -62,10 +66,16 @@ def owned_session(db: Session, who: Principal, session_id: str) -> SessionRow:
     return row
 
 
-def owned_run(db: Session, who: Principal, model_id: str) -> TrainingRunRow:
+def owned_run(db: Session, who: Principal, model_id: str, *, live: bool = False) -> TrainingRunRow:
+    """The caller's run; with ``live`` (training requests) its session must not have expired."""
     row = db.get(TrainingRunRow, model_id)
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"model_id: model {model_id!r} not found")
+    session = db.get(SessionRow, row.session_id) if live else None
+    if session is not None and session.finish_reason == "expired":
+        from gateway.sweeper import expired_session_message
+
+        raise GoneError(f"model_id: {model_id}: " + expired_session_message(session.id))
     return row
 
 

@@ -85,6 +85,15 @@ class ConflictError(GatewayError):
     default_message = "conflict"
 
 
+class GoneError(GatewayError):
+    """410: the thing existed but is gone for good (an expired future, an expired download link,
+    an expired session). The Tinker SDK stops a session's heartbeat on 410."""
+
+    status_code = 410
+    code = "gone"
+    default_message = "gone"
+
+
 class RateLimitedError(GatewayError):
     """``RateLimitedError(message, retry_after_s)``; the second arg is optional (default 1 s)."""
 
@@ -109,6 +118,7 @@ _CODE_BY_STATUS = {
     405: "method_not_allowed",
     408: "timeout",
     409: "conflict",
+    410: "gone",
     413: "too_large",
     415: "unsupported_media_type",
     429: "rate_limited",

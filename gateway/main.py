@@ -7,6 +7,8 @@ in-process engine objects in tests.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,8 +21,23 @@ from gateway.db import make_engine
 from gateway.engine_client import EngineClient
 from gateway.errors import register_exception_handlers
 from gateway.futures import FutureStore
+from gateway.kv import make_kv
+from gateway.middleware import GatewayMiddleware
 from gateway.settings import Settings
-from gateway.tinker_api import futures, runs, sampling, sessions, training
+from gateway.sweeper import sweep_forever
+from gateway.tinker_api import (
+    checkpoints_api,
+    compat,
+    exports,
+    futures,
+    jobs,
+    runs,
+    sampling,
+    saves,
+    sessions,
+    sessions_rest,
+    training,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +46,26 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db_engine = make_engine(settings.database_url)
-        app.state.futures = FutureStore()
+        # With Redis, futures and idempotency keys are shared by replicas and survive restarts.
+        app.state.kv = make_kv(settings.redis_url)
+        app.state.futures = FutureStore(
+            make_kv(settings.redis_url),
+            result_ttl_s=config.future_ttl_seconds,
+            shared=settings.redis_url is not None,
+        )
+        app.state.futures.job_runner = lambda job: jobs.runner(engine_client, job)
+        await app.state.futures.start()
+        sweeper = asyncio.get_running_loop().create_task(
+            sweep_forever(app.state.db_engine, engine_client, config)
+        )
         try:
             yield
         finally:
+            sweeper.cancel()
+            with contextlib.suppress(BaseException):
+                await sweeper
             await app.state.futures.aclose()
+            await app.state.kv.aclose()
             app.state.db_engine.dispose()
 
     app = FastAPI(title="Twinkle", version="0.1.0", lifespan=lifespan)
@@ -41,6 +73,16 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     app.state.server_config = config
     app.state.engine_client = engine_client
     register_exception_handlers(app)
-    for module in (sessions, training, sampling, futures, runs, openai_api, twinkle_api):
+    app.add_middleware(
+        GatewayMiddleware,
+        kv_getter=lambda: getattr(app.state, "kv", None),
+        deprecated_below=config.sdk_deprecated_below,
+        unsupported_below=config.sdk_unsupported_below,
+    )
+    # exports / checkpoints_api before runs: their .../{checkpoint_id:path}/publish|ttl|... routes
+    # must be tried before runs' DELETE .../{checkpoint_id:path}.
+    for module in (sessions, sessions_rest, training, saves, exports, sampling, futures, compat):
+        app.include_router(module.router)
+    for module in (checkpoints_api, runs, openai_api, twinkle_api):
         app.include_router(module.router)
     return app

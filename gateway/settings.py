@@ -1,7 +1,8 @@
 """Process settings for the gateway's storage layer, read from the environment in one place.
 
-Owns: ``TWINKLE_DATA_DIR`` (default ``./.twinkle``, made absolute) and ``TWINKLE_DATABASE_URL``
-(default ``sqlite:///<data_dir>/twinkle.db``). Reading has no side effects: nothing is created here
+Owns: ``TWINKLE_DATA_DIR`` (default ``./.twinkle``, made absolute), ``TWINKLE_DATABASE_URL``
+(default ``sqlite:///<data_dir>/twinkle.db``) and ``TWINKLE_REDIS_URL`` (optional: futures and
+idempotency keys shared by gateway replicas). Reading has no side effects: nothing is created here
 (``gateway.db.make_engine`` creates the SQLite file's folder when it connects).
 """
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 DATA_DIR_ENV = "TWINKLE_DATA_DIR"
 DATABASE_URL_ENV = "TWINKLE_DATABASE_URL"
+REDIS_URL_ENV = "TWINKLE_REDIS_URL"  # futures + idempotency keys shared by gateway replicas
 DEFAULT_DATA_DIR = "./.twinkle"
 DB_FILENAME = "twinkle.db"
 
@@ -26,6 +28,7 @@ class Settings(BaseModel):
 
     data_dir: Path
     database_url: str
+    redis_url: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -33,7 +36,8 @@ class Settings(BaseModel):
         env = os.environ if environ is None else environ
         data_dir = Path(env.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR).expanduser().resolve()
         database_url = env.get(DATABASE_URL_ENV) or default_database_url(data_dir)
-        return cls(data_dir=data_dir, database_url=database_url)
+        redis_url = env.get(REDIS_URL_ENV) or None
+        return cls(data_dir=data_dir, database_url=database_url, redis_url=redis_url)
 
 
 def default_database_url(data_dir: Path) -> str:

@@ -1,4 +1,9 @@
-"""retrieve_future: long-poll a future, then answer its result, its error, or try_again."""
+"""retrieve_future: long-poll a future, then answer its result, its error, or try_again.
+
+An expired future is 410 (the SDK resubmits a sample; for training it reaches the user). With
+``allow_metadata_only`` a large finished result is first announced as ``complete_metadata`` with its
+size, so the SDK can reserve its in-flight byte budget before it downloads the payload.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ import asyncio
 from fastapi import APIRouter, Request, Response
 
 from gateway.deps import ConfigDep, EngineDep, FuturesDep, PrincipalDep
-from gateway.errors import NotFoundError
+from gateway.errors import GoneError, NotFoundError
+from gateway.tinker_api import compat
 from gateway.tinker_api.schemas import RetrieveFutureRequest
 
 router = APIRouter(prefix="/api/v1")
@@ -22,10 +28,17 @@ async def retrieve_future(
     config: ConfigDep,
     engine: EngineDep,
 ) -> Response | dict:
-    rec = futures.get(req.request_id, who.user_id)
-    if rec is None:
-        raise NotFoundError(f"request_id: future {req.request_id!r} not found (or expired)")
-    if not await futures.wait(rec, config.long_poll_seconds):
+    found = await futures.find(req.request_id, who.user_id)
+    if found == "expired":
+        raise GoneError(
+            f"request_id: future {req.request_id!r} expired (results are kept "
+            f"{futures.result_ttl_s:.0f}s after they finish); resubmit the request"
+        )
+    if isinstance(found, str):
+        raise NotFoundError(f"request_id: future {req.request_id!r} not found")
+    rec = found
+    done = await futures.wait(rec, config.long_poll_seconds)
+    if done is None:
         state, reason = "active", f"{rec.kind} is queued or running"
         base = rec.extra.get("base_model")
         if base and rec.idem_key is not None:
@@ -42,8 +55,14 @@ async def retrieve_future(
             "queue_state": state,
             "queue_state_reason": reason,
         }
+    rec = done
     if rec.error is not None:
         return {"error": rec.error, "category": rec.category}
+    size = len(rec.proto_result) if rec.proto_result is not None else 0
+    if req.allow_metadata_only and size >= config.metadata_only_min_bytes:
+        return {"status": "complete_metadata", "response_payload_size": size}
+    if rec.proto_result is not None and not compat.wants_protobuf(request):
+        return compat.proto_result_as_json(rec.kind, rec.proto_result)  # SDK 0.16.x
     if rec.proto_result is not None:
         return Response(content=rec.proto_result, media_type="application/x-protobuf")
     return rec.json_result or {}

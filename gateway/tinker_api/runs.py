@@ -1,8 +1,12 @@
-"""Tinker REST endpoints over training runs and their checkpoints (RestClient)."""
+"""Tinker REST endpoints over training runs and their checkpoints (RestClient): list / get runs
+(``access_scope`` owned = yours, accessible = yours plus runs with a published checkpoint), list a
+run's checkpoints and all of yours, delete one. Expired checkpoints are purged before any listing,
+so they never show."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 from sqlmodel import col, func, select
@@ -10,7 +14,10 @@ from sqlmodel import col, func, select
 from gateway.checkpoints import SEGMENT_OF_KIND, delete_checkpoint, parse_path
 from gateway.deps import DbDep, PrincipalDep, owned_run
 from gateway.errors import NotFoundError
-from gateway.tables import CheckpointRow, TrainingRunRow
+from gateway.sweeper import purge_expired_checkpoints
+from gateway.tables import CheckpointRow, TrainingRunRow, UserRow
+
+Scope = Literal["owned", "accessible"]
 
 router = APIRouter(prefix="/api/v1")
 
@@ -32,15 +39,36 @@ def checkpoint_json(row: CheckpointRow) -> dict:
     }
 
 
-def run_json(db, run: TrainingRunRow, owner_name: str) -> dict:
+def _visible(user_id: int):
+    """Checkpoints a user may see: their own, and anyone's published ones (never ephemeral)."""
+    return (CheckpointRow.ephemeral == False) & (  # noqa: E712
+        (CheckpointRow.user_id == user_id) | (CheckpointRow.public == True)  # noqa: E712
+    )
+
+
+def _runs_where(user_id: int, access_scope: str):
+    owned = TrainingRunRow.user_id == user_id
+    if access_scope == "owned":
+        return owned
+    public_runs = select(CheckpointRow.run_id).where(
+        CheckpointRow.public == True,
+        CheckpointRow.ephemeral == False,  # noqa: E712
+    )
+    return owned | col(TrainingRunRow.id).in_(public_runs)
+
+
+def run_json(
+    db, run: TrainingRunRow, owner_name: str | None = None, viewer: int | None = None
+) -> dict:
+    if owner_name is None:
+        owner = db.get(UserRow, run.user_id)
+        owner_name = owner.name if owner else str(run.user_id)
+    viewer = run.user_id if viewer is None else viewer
+
     def last(kind: str) -> dict | None:
         row = db.exec(
             select(CheckpointRow)
-            .where(
-                CheckpointRow.run_id == run.id,
-                CheckpointRow.kind == kind,
-                CheckpointRow.ephemeral == False,
-            )  # noqa: E712
+            .where(CheckpointRow.run_id == run.id, CheckpointRow.kind == kind, _visible(viewer))
             .order_by(col(CheckpointRow.created_at).desc())
         ).first()
         return checkpoint_json(row) if row else None
@@ -65,9 +93,17 @@ async def list_training_runs(
     db: DbDep,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0),
-    access_scope: str = "owned",
+    access_scope: Scope = "owned",
+    project_id: str | None = None,
 ) -> dict:
-    where = TrainingRunRow.user_id == who.user_id
+    purge_expired_checkpoints(db)
+    where = _runs_where(who.user_id, access_scope)
+    if project_id is not None:
+        from gateway.tables import SessionRow
+
+        where = where & col(TrainingRunRow.session_id).in_(
+            select(SessionRow.id).where(SessionRow.project_id == project_id)
+        )
     total = db.exec(select(func.count()).select_from(TrainingRunRow).where(where)).one()
     rows = db.exec(
         select(TrainingRunRow)
@@ -77,27 +113,57 @@ async def list_training_runs(
         .limit(limit)
     ).all()
     return {
-        "training_runs": [run_json(db, r, who.user_name) for r in rows],
+        "training_runs": [run_json(db, r, viewer=who.user_id) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},
     }
 
 
-@router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, who: PrincipalDep, db: DbDep) -> dict:
+def visible_run(db, who, run_id: str, access_scope: str = "accessible") -> TrainingRunRow:
+    """The run if the caller owns it, or (scope accessible) it has a published checkpoint."""
     if run_id.startswith(("tinker://", "twinkle://")):
-        run_id = parse_path(run_id).run_id
-    return run_json(db, owned_run(db, who, run_id), who.user_name)
+        run_id = parse_path(run_id, "training_run_id").run_id
+    run = db.exec(
+        select(TrainingRunRow).where(
+            TrainingRunRow.id == run_id, _runs_where(who.user_id, access_scope)
+        )
+    ).first()
+    if run is None:
+        raise NotFoundError(f"training_run_id: training run {run_id!r} not found")
+    return run
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_run_checkpoints(run_id: str, who: PrincipalDep, db: DbDep) -> dict:
-    owned_run(db, who, run_id)
+async def list_run_checkpoints(
+    run_id: str,
+    who: PrincipalDep,
+    db: DbDep,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,  # plain defaults: the native API
+    offset: Annotated[int, Query(ge=0)] = 0,  # (gateway/twinkle_api) calls this directly
+) -> dict:
+    purge_expired_checkpoints(db)
+    visible_run(db, who, run_id)
+    where = (CheckpointRow.run_id == run_id) & _visible(who.user_id)
+    total = db.exec(select(func.count()).select_from(CheckpointRow).where(where)).one()
     rows = db.exec(
         select(CheckpointRow)
-        .where(CheckpointRow.run_id == run_id, CheckpointRow.ephemeral == False)  # noqa: E712
+        .where(where)
         .order_by(col(CheckpointRow.created_at))
+        .offset(offset)
+        .limit(limit)
     ).all()
-    return {"checkpoints": [checkpoint_json(r) for r in rows]}
+    return {
+        "checkpoints": [checkpoint_json(r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
+
+
+@router.get("/training_runs/{run_id:path}")
+async def get_training_run(
+    run_id: str, who: PrincipalDep, db: DbDep, access_scope: Scope = "owned"
+) -> dict:
+    """A run by id, or by any tinker:// / twinkle:// checkpoint path inside it."""
+    purge_expired_checkpoints(db)
+    return run_json(db, visible_run(db, who, run_id, access_scope), viewer=who.user_id)
 
 
 @router.get("/checkpoints")
@@ -107,6 +173,7 @@ async def list_user_checkpoints(
     limit: int = Query(100, ge=1, le=1000),
     offset: int = Query(0, ge=0),
 ) -> dict:
+    purge_expired_checkpoints(db)
     where = (CheckpointRow.user_id == who.user_id) & (CheckpointRow.ephemeral == False)  # noqa: E712
     total = db.exec(select(func.count()).select_from(CheckpointRow).where(where)).one()
     rows = db.exec(

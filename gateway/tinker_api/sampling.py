@@ -16,6 +16,7 @@ from gateway.deps import (
     owned_session,
 )
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.futures import fingerprint
 from gateway.sampling_limits import SamplingLimiterDep
 from gateway.tables import SamplingSessionRow, TrainingRunRow
 from gateway.tinker_api.proto_codec import encode_sample_output, target_ids_from_wire
@@ -129,7 +130,8 @@ async def asample(
     else:
         base, adapter_dir, _ = _resolve_target(db, who, config, req.base_model, req.model_path)
         idem = None
-    if idem is not None and (prev := futures.lookup_idempotent(idem)) is not None:
+    fp = fingerprint(req.model_dump(mode="json"))
+    if idem is not None and (prev := await futures.lookup_idempotent(idem, fp)) is not None:
         return {"request_id": prev.request_id, "sample_sequence_ids": prev.extra["sequence_ids"]}
     target_ids, target_csr = None, None
     if req.target_prompt_logprobs is not None:
@@ -161,7 +163,14 @@ async def asample(
             slot.release()
 
     try:
-        rec = futures.submit(user_id=who.user_id, kind="sample", run=run_, idem_key=idem)
+        rec = futures.submit(
+            user_id=who.user_id,
+            kind="sample",
+            run=run_,
+            idem_key=idem,
+            fp=fp,
+            extra={"sequence_ids": []},
+        )
     except BaseException:
         slot.release()
         raise

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, owned_session
 from gateway.errors import NotFoundError
+from gateway.middleware import deprecation_for, parse_version, sdk_version
 from gateway.tables import SessionRow, utcnow
 from gateway.tinker_api.schemas import (
     ClientConfigRequest,
@@ -55,7 +56,9 @@ async def dynamic_config(req: ClientConfigRequest, who: PrincipalDep) -> dict:
 
 
 @router.post("/create_session")
-async def create_session(req: CreateSessionRequest, who: PrincipalDep, db: DbDep) -> dict:
+async def create_session(
+    req: CreateSessionRequest, request: Request, who: PrincipalDep, db: DbDep, config: ConfigDep
+) -> dict:
     row = SessionRow(
         id=f"sess-{uuid.uuid4().hex[:16]}",
         user_id=who.user_id,
@@ -67,7 +70,13 @@ async def create_session(req: CreateSessionRequest, who: PrincipalDep, db: DbDep
     )
     db.add(row)
     db.commit()
-    return {"session_id": row.id, "type": "create_session"}
+    out = {"session_id": row.id, "type": "create_session"}
+    # The SDK logs these at warning / error level: the deprecation channel it shows users.
+    version = sdk_version(request.headers) or parse_version(req.sdk_version)
+    dep = deprecation_for(version, config.sdk_deprecated_below, config.sdk_unsupported_below)
+    if dep is not None:
+        out["warning_message" if dep[0] == "warning" else "error_message"] = dep[1]
+    return out
 
 
 @router.post("/session_heartbeat")

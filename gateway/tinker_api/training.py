@@ -1,5 +1,5 @@
-"""Tinker training endpoints: create_model, get_info, forward_backward, optim_step, save_weights,
-save_weights_for_sampler, load_weights.
+"""Tinker training endpoints: create_model, get_info, forward_backward (and 0.16.x's forward),
+optim_step, load_weights. Saves are in `saves.py`, exports in `exports.py`.
 
 Every sequenced request becomes a future that passes through the Trainer's seq_id ordering, even
 when it is rejected (a rejected seq_id must still advance the model's sequence, or every later
@@ -8,34 +8,32 @@ request would wait for it).
 
 from __future__ import annotations
 
+import json
+
 import zstandard
 from fastapi import APIRouter, Request
-from sqlmodel import select
 
-from engine.errors import UserInputError
 from engine.protocol import AdamParams, LoraSpec
-from gateway.checkpoints import ParsedPath, new_storage_dir, readable_checkpoint, validate_name
+from gateway.checkpoints import readable_checkpoint
 from gateway.deps import (
     ConfigDep,
     DbDep,
     EngineDep,
     FuturesDep,
     PrincipalDep,
-    SettingsDep,
     owned_run,
     owned_session,
 )
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.futures import FutureRecord
-from gateway.tables import CheckpointRow, SamplingSessionRow, TrainingRunRow, utcnow
-from gateway.tinker_api.proto_codec import decode_forward_backward, encode_forward_backward_output
+from gateway.futures import FutureRecord, fingerprint
+from gateway.tables import TrainingRunRow, utcnow
+from gateway.tinker_api import compat, jobs
+from gateway.tinker_api.proto_codec import decode_forward_backward
 from gateway.tinker_api.schemas import (
     CreateModelRequest,
     GetInfoRequest,
     LoadWeightsRequest,
     OptimStepRequest,
-    SaveWeightsForSamplerRequest,
-    SaveWeightsRequest,
 )
 
 router = APIRouter(prefix="/api/v1")
@@ -57,12 +55,7 @@ def _touch(db, run: TrainingRunRow) -> None:
 
 def _rejected(engine, run: TrainingRunRow, seq_id: int, message: str):
     """A coroutine factory that lets ``seq_id`` pass the model's ordering, then fails."""
-
-    async def run_() -> tuple[str, object]:
-        await engine.trainer(run.base_model, "skip", run.id, seq_id)
-        raise UserInputError(message)
-
-    return run_
+    return jobs.runner(engine, jobs.skip_job(run.base_model, run.id, seq_id, message))
 
 
 @router.post("/create_model")
@@ -74,6 +67,7 @@ async def create_model(
     futures: FuturesDep,
     config: ConfigDep,
 ) -> dict:
+    fp = fingerprint(req.model_dump(mode="json"))
     session = owned_session(db, who, req.session_id)
     model_cfg = config.model(req.base_model)
     if model_cfg is None:
@@ -95,7 +89,7 @@ async def create_model(
             f"optimizer_config.type: only 'adamw' is supported, got {opt_type!r}"
         )
     model_id = f"{session.id}:train:{req.model_seq_id}"
-    if (prev := futures.lookup_idempotent((model_id, 0))) is not None:
+    if (prev := await futures.lookup_idempotent((model_id, 0), fp)) is not None:
         return future_json(prev, model_id)
     if db.get(TrainingRunRow, model_id) is not None:
         raise InvalidRequestError(f"model_seq_id: model {model_id} already exists in this session")
@@ -122,9 +116,9 @@ async def create_model(
     db.add(run)
     db.commit()
 
-    async def run_() -> tuple[str, object]:
-        await engine.trainer(req.base_model, "create_adapter", model_id, spec, str(who.user_id))
-        return "json", {"model_id": model_id, "type": "create_model"}
+    run_ = jobs.runner(
+        engine, jobs.create_adapter_job(req.base_model, model_id, spec, str(who.user_id))
+    )
 
     rec = futures.submit(
         user_id=who.user_id,
@@ -132,13 +126,14 @@ async def create_model(
         kind="create_model",
         run=run_,
         idem_key=(model_id, 0),
+        fp=fp,
     )
     return future_json(rec, model_id)
 
 
 @router.post("/get_info")
 async def get_info(req: GetInfoRequest, who: PrincipalDep, db: DbDep) -> dict:
-    run = owned_run(db, who, req.model_id)
+    run = owned_run(db, who, req.model_id, live=True)
     return {
         "type": "get_info",
         "model_id": run.id,
@@ -164,16 +159,28 @@ async def _read_body(request: Request) -> bytes:
     return body
 
 
+@router.post("/forward")  # SDK 0.16.x: forward-only, JSON body
 @router.post("/forward_backward")
 async def forward_backward(
     request: Request, who: PrincipalDep, db: DbDep, engine: EngineDep, futures: FuturesDep
 ) -> dict:
     ctype = request.headers.get("content-type", "")
-    if "protobuf" not in ctype:
-        raise InvalidRequestError(
-            "content-type: forward_backward takes an application/x-protobuf ForwardBackwardRequest"
+    if "json" in ctype:  # the JSON wire format of older SDKs
+        try:
+            payload = json.loads(await _read_body(request))
+        except ValueError:
+            raise InvalidRequestError("body: invalid JSON") from None
+        body = compat.json_forward_backward_to_proto(
+            payload, forward_only=request.url.path.endswith("/forward")
         )
-    body = await _read_body(request)
+    elif "protobuf" in ctype:
+        body = await _read_body(request)
+    else:
+        raise InvalidRequestError(
+            "content-type: forward_backward takes an application/x-protobuf "
+            "ForwardBackwardRequest (or the JSON of older SDKs)"
+        )
+    fp = fingerprint(body)
     try:
         model_id, seq_id, inp = decode_forward_backward(body)
         error = None
@@ -191,8 +198,8 @@ async def forward_backward(
         model_id, seq_id, inp, error = msg.model_id, int(msg.seq_id), None, str(exc)
     if seq_id < 1:
         raise InvalidRequestError(f"seq_id: must be ≥ 1, got {seq_id}")
-    run = owned_run(db, who, model_id)
-    if (prev := futures.lookup_idempotent((model_id, seq_id))) is not None:
+    run = owned_run(db, who, model_id, live=True)
+    if (prev := await futures.lookup_idempotent((model_id, seq_id), fp)) is not None:
         return future_json(prev, model_id)
     _touch(db, run)
     kind = "forward" if inp is not None and inp.forward_only else "forward_backward"
@@ -202,13 +209,12 @@ async def forward_backward(
             extra={"base_model": run.base_model},
             kind=kind,
             idem_key=(model_id, seq_id),
+            fp=fp,
             run=_rejected(engine, run, seq_id, error),
         )
         return future_json(rec, model_id)
 
-    async def run_() -> tuple[str, object]:
-        out = await engine.trainer(run.base_model, "forward_backward", model_id, seq_id, inp)
-        return "proto", encode_forward_backward_output(out)
+    run_ = jobs.runner(engine, jobs.forward_backward_job(run.base_model, model_id, seq_id, body))
 
     rec = futures.submit(
         user_id=who.user_id,
@@ -216,6 +222,7 @@ async def forward_backward(
         kind=kind,
         run=run_,
         idem_key=(model_id, seq_id),
+        fp=fp,
     )
     return future_json(rec, model_id)
 
@@ -224,8 +231,9 @@ async def forward_backward(
 async def optim_step(
     req: OptimStepRequest, who: PrincipalDep, db: DbDep, engine: EngineDep, futures: FuturesDep
 ) -> dict:
-    run = owned_run(db, who, req.model_id)
-    if (prev := futures.lookup_idempotent((run.id, req.seq_id))) is not None:
+    fp = fingerprint(req.model_dump(mode="json"))
+    run = owned_run(db, who, req.model_id, live=True)
+    if (prev := await futures.lookup_idempotent((run.id, req.seq_id), fp)) is not None:
         return future_json(prev, run.id)
     _touch(db, run)
     if req.adam_params is None and req.optimizer_params is not None:
@@ -234,6 +242,7 @@ async def optim_step(
             extra={"base_model": run.base_model},
             kind="optim_step",
             idem_key=(run.id, req.seq_id),
+            fp=fp,
             run=_rejected(
                 engine, run, req.seq_id, "optimizer_params: only AdamW (adam_params) is supported"
             ),
@@ -241,9 +250,7 @@ async def optim_step(
         return future_json(rec, run.id)
     params = AdamParams(**(req.adam_params.model_dump() if req.adam_params else {}))
 
-    async def run_() -> tuple[str, object]:
-        out = await engine.trainer(run.base_model, "optim_step", run.id, req.seq_id, params)
-        return "json", {"metrics": out.metrics, "type": "optim_step"}
+    run_ = jobs.runner(engine, jobs.optim_step_job(run.base_model, run.id, req.seq_id, params))
 
     rec = futures.submit(
         user_id=who.user_id,
@@ -251,218 +258,8 @@ async def optim_step(
         kind="optim_step",
         run=run_,
         idem_key=(run.id, req.seq_id),
+        fp=fp,
     )
-    return future_json(rec, run.id)
-
-
-def _save_future(
-    *,
-    who,
-    db,
-    engine,
-    futures,
-    settings,
-    run: TrainingRunRow,
-    seq_id: int,
-    kind: str,
-    name: str,
-    overwrite: bool,
-    ttl_seconds: int | None,
-    user_metadata: dict | None,
-    include_optimizer: bool,
-    ephemeral: bool = False,
-    result_key: str = "path",
-    sampling_session_id: str | None = None,
-) -> FutureRecord:
-    """Save in seq order, then record the checkpoint row (replacing an overwritten one)."""
-    parsed = ParsedPath(run.id, kind, name)
-    existing = db.exec(
-        select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path)
-    ).first()
-    if existing is not None and not overwrite and not ephemeral:
-        return futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
-            kind="save",
-            idem_key=(run.id, seq_id),
-            run=_rejected(
-                engine,
-                run,
-                seq_id,
-                f"path: checkpoint {parsed.tinker_path} already exists; "
-                "pass overwrite=True to replace it",
-            ),
-        )
-    directory = new_storage_dir(settings.data_dir, who.user_id, parsed)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    expires = None
-    if ttl_seconds is not None:
-        from datetime import timedelta
-
-        expires = utcnow() + timedelta(seconds=ttl_seconds)
-
-    async def run_() -> tuple[str, object]:
-        size = await engine.trainer(
-            run.base_model, "save_state", run.id, seq_id, str(directory), include_optimizer
-        )
-        from sqlmodel import Session
-
-        with Session(db.get_bind()) as s:
-            old = s.exec(
-                select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path)
-            ).first()
-            if old is not None:
-                import shutil
-
-                shutil.rmtree(old.storage_dir, ignore_errors=True)
-                s.delete(old)
-                s.flush()
-            s.add(
-                CheckpointRow(
-                    run_id=run.id,
-                    user_id=who.user_id,
-                    kind=kind,
-                    name=name,
-                    tinker_path=parsed.tinker_path,
-                    storage_dir=str(directory),
-                    size_bytes=size,
-                    ephemeral=ephemeral,
-                    user_metadata=user_metadata or {},
-                    expires_at=expires,
-                )
-            )
-            if sampling_session_id is not None:
-                s.add(
-                    SamplingSessionRow(
-                        id=sampling_session_id,
-                        session_id=run.session_id,
-                        user_id=who.user_id,
-                        base_model=run.base_model,
-                        model_path=parsed.tinker_path,
-                        adapter_dir=str(directory),
-                    )
-                )
-            s.commit()
-        if result_key == "sampling_session_id":
-            return "json", {"sampling_session_id": sampling_session_id}
-        rtype = "save_weights" if kind == "training" else "save_weights_for_sampler"
-        return "json", {"path": parsed.tinker_path, "type": rtype}
-
-    return futures.submit(
-        user_id=who.user_id,
-        extra={"base_model": run.base_model},
-        kind="save",
-        run=run_,
-        idem_key=(run.id, seq_id),
-    )
-
-
-@router.post("/save_weights")
-async def save_weights(
-    req: SaveWeightsRequest,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    futures: FuturesDep,
-    settings: SettingsDep,
-) -> dict:
-    run = owned_run(db, who, req.model_id)
-    if (prev := futures.lookup_idempotent((run.id, req.seq_id))) is not None:
-        return future_json(prev, run.id)
-    _touch(db, run)
-    try:
-        name = validate_name(req.path or "", "path")
-    except InvalidRequestError as exc:
-        rec = futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
-            kind="save",
-            idem_key=(run.id, req.seq_id),
-            run=_rejected(engine, run, req.seq_id, str(exc)),
-        )
-        return future_json(rec, run.id)
-    rec = _save_future(
-        who=who,
-        db=db,
-        engine=engine,
-        futures=futures,
-        settings=settings,
-        run=run,
-        seq_id=req.seq_id,
-        kind="training",
-        name=name,
-        overwrite=req.overwrite,
-        ttl_seconds=req.ttl_seconds,
-        user_metadata=req.user_metadata,
-        include_optimizer=True,
-    )
-    return future_json(rec, run.id)
-
-
-@router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(
-    req: SaveWeightsForSamplerRequest,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    futures: FuturesDep,
-    settings: SettingsDep,
-) -> dict:
-    run = owned_run(db, who, req.model_id)
-    if (prev := futures.lookup_idempotent((run.id, req.seq_id))) is not None:
-        return future_json(prev, run.id)
-    _touch(db, run)
-    common = dict(
-        who=who,
-        db=db,
-        engine=engine,
-        futures=futures,
-        settings=settings,
-        run=run,
-        seq_id=req.seq_id,
-        kind="sampler",
-        include_optimizer=False,
-        user_metadata=req.user_metadata,
-    )
-    if req.path is None:
-        if req.sampling_session_seq_id is None:
-            rec = futures.submit(
-                user_id=who.user_id,
-                extra={"base_model": run.base_model},
-                kind="save",
-                idem_key=(run.id, req.seq_id),
-                run=_rejected(
-                    engine,
-                    run,
-                    req.seq_id,
-                    "path: give a name, or sampling_session_seq_id for an ephemeral save",
-                ),
-            )
-            return future_json(rec, run.id)
-        sampler_id = f"{run.session_id}:sample:{req.sampling_session_seq_id}"
-        # Ephemeral weights expire with a day's margin; they exist only to back that sampler.
-        rec = _save_future(
-            **common,
-            name=f"ephemeral-{req.sampling_session_seq_id}",
-            overwrite=True,
-            ttl_seconds=86400,
-            ephemeral=True,
-            result_key="sampling_session_id",
-            sampling_session_id=sampler_id,
-        )
-        return future_json(rec, run.id)
-    try:
-        name = validate_name(req.path, "path")
-    except InvalidRequestError as exc:
-        rec = futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
-            kind="save",
-            idem_key=(run.id, req.seq_id),
-            run=_rejected(engine, run, req.seq_id, str(exc)),
-        )
-        return future_json(rec, run.id)
-    rec = _save_future(**common, name=name, overwrite=True, ttl_seconds=req.ttl_seconds)
     return future_json(rec, run.id)
 
 
@@ -475,6 +272,7 @@ async def load_weights(
     futures: FuturesDep,
     config: ConfigDep,
 ) -> dict:
+    fp = fingerprint(req.model_dump(mode="json"))
     ckpt = readable_checkpoint(db, who.user_id, req.path, "path")
     if ckpt.kind != "training":
         raise InvalidRequestError(
@@ -486,9 +284,9 @@ async def load_weights(
         raise NotFoundError(f"path: training run of {req.path} not found")
     directory = ckpt.storage_dir
     if req.model_id is not None:  # legacy in-place load_state, sequenced
-        run = owned_run(db, who, req.model_id)
+        run = owned_run(db, who, req.model_id, live=True)
         seq_id = req.seq_id or 0
-        if (prev := futures.lookup_idempotent((run.id, seq_id))) is not None:
+        if (prev := await futures.lookup_idempotent((run.id, seq_id), fp)) is not None:
             return future_json(prev, run.id)
 
         async def run_in_place() -> tuple[str, object]:
@@ -503,6 +301,7 @@ async def load_weights(
             kind="load_weights",
             run=run_in_place,
             idem_key=(run.id, seq_id),
+            fp=fp,
         )
         return future_json(rec, run.id)
     if req.session_id is None or req.model_seq_id is None:
@@ -517,7 +316,7 @@ async def load_weights(
     if config.model(source.base_model) is None:
         raise InvalidRequestError(f"path: base model {source.base_model} is no longer served")
     model_id = f"{session.id}:train:{req.model_seq_id}"
-    if (prev := futures.lookup_idempotent((model_id, 0))) is not None:
+    if (prev := await futures.lookup_idempotent((model_id, 0), fp)) is not None:
         return future_json(prev, model_id)
     if db.get(TrainingRunRow, model_id) is not None:
         raise InvalidRequestError(f"model_seq_id: model {model_id} already exists in this session")
@@ -548,5 +347,6 @@ async def load_weights(
         kind="load_weights",
         run=run_create,
         idem_key=(model_id, 0),
+        fp=fp,
     )
     return future_json(rec, model_id)

@@ -56,7 +56,15 @@ def _contended_latencies(tiny_model_dir, steps: int, think_fraction: float):
     rng = np.random.default_rng(0)
     small = _batch(rng, 8, 32)  # 256 tokens
     big = _batch(rng, 64, 32)  # 8x larger: 2048 tokens
-    cfg = ModelConfig(name="twinkle/tiny-chat", path=str(tiny_model_dir), slice_tokens=128)
+    # sequential execution: the scheduler's choices alone decide the latency (with fused
+    # execution a small job rides in a batch with a big tenant's slice; `auto` picks either,
+    # depending on a timing taken at start-up)
+    cfg = ModelConfig(
+        name="twinkle/tiny-chat",
+        path=str(tiny_model_dir),
+        slice_tokens=128,
+        execution="sequential",
+    )
 
     async def run_small(tr: Trainer, latencies: list[float], think: float) -> None:
         for i in range(steps):

@@ -1,0 +1,237 @@
+"""ASGI middleware of the gateway: request ids, `X-Idempotency-Key` replay, SDK deprecation headers.
+
+* Every response carries ``x-request-id`` (the same id the JSON error envelope carries).
+* A POST/PUT/DELETE with ``X-Idempotency-Key`` that already succeeded (2xx) for the same caller,
+  method and path is answered with the stored response (``x-idempotent-replay: true``) instead of
+  running again; the same key with a different body is a 409. A duplicate that arrives while the
+  first is still running waits for it. The SDK keeps one key across the HTTP-level retries of a
+  call (and `copy_weights` fixes its key across every retry), so a retry after a lost response never
+  runs twice. Polls (retrieve_future), heartbeats and telemetry are not cached.
+* Tinker SDK versions (``X-Stainless-Package-Version`` or the ``User-Agent``) below
+  ``sdk_deprecated_below`` get ``x-deprecation-level: warning`` and a note, below
+  ``sdk_unsupported_below`` ``error``; the SDK logs both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import uuid
+from typing import Any
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.auth import extract_api_key
+from gateway.errors import _REQUEST_ID_RE
+from gateway.kv import KV
+
+IDEMPOTENCY_TTL_S = 24 * 3600.0
+_NOT_CACHED = ("/retrieve_future", "/session_heartbeat", "/telemetry", "/retrieve_futures")
+_MAX_CACHED_BODY = 1 << 20
+_UA_RE = re.compile(r"Tinker/Python\s+(\d+(?:\.\d+)*)", re.I)
+
+
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    m = re.match(r"^\s*v?(\d+(?:\.\d+)*)", text)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def sdk_version(headers: Headers) -> tuple[int, ...] | None:
+    """The Tinker SDK version a request comes from, or None for other clients."""
+    ua = headers.get("user-agent", "")
+    m = _UA_RE.search(ua)
+    if m:
+        return parse_version(m.group(1))
+    if "tinker" in ua.lower():
+        return parse_version(headers.get("x-stainless-package-version"))
+    return None
+
+
+def deprecation_for(
+    version: tuple[int, ...] | None, deprecated_below: str, unsupported_below: str
+) -> tuple[str, str] | None:
+    """(level, note) for a Tinker SDK version, or None when it is current."""
+    if version is None:
+        return None
+    shown = ".".join(map(str, version))
+    low = parse_version(unsupported_below)
+    if low is not None and version < low:
+        return "error", (
+            f"tinker SDK {shown} is not supported by this server (oldest supported: "
+            f"{unsupported_below}); upgrade with `pip install -U tinker`"
+        )
+    dep = parse_version(deprecated_below)
+    if dep is not None and version < dep:
+        return "warning", (
+            f"tinker SDK {shown} is deprecated on this server and support will be removed; "
+            f"upgrade to tinker>={deprecated_below}"
+        )
+    return None
+
+
+class GatewayMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        kv_getter: Any,
+        deprecated_below: str = "0.0.0",
+        unsupported_below: str = "0.0.0",
+    ) -> None:
+        """``kv_getter()`` returns the KV (built in the app's lifespan, after this is made)."""
+        self.app = app
+        self._kv_getter = kv_getter
+        self._deprecated_below = deprecated_below
+        self._unsupported_below = unsupported_below
+        self._inflight: dict[str, asyncio.Event] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        rid = headers.get("x-request-id", "")
+        if not _REQUEST_ID_RE.match(rid):
+            rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        extra = [("x-request-id", rid)]
+        dep = deprecation_for(sdk_version(headers), self._deprecated_below, self._unsupported_below)
+        if dep is not None:
+            extra += [("x-deprecation-level", dep[0]), ("x-deprecation-note", dep[1])]
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                h = MutableHeaders(scope=message)
+                for k, v in extra:
+                    if k not in h:
+                        h.append(k, v)
+            await send(message)
+
+        key = headers.get("x-idempotency-key")
+        path: str = scope["path"]
+        kv: KV | None = self._kv_getter()
+        if (
+            not key
+            or kv is None
+            or scope["method"] not in ("POST", "PUT", "DELETE", "PATCH")
+            or path.endswith(_NOT_CACHED)
+        ):
+            await self.app(scope, receive, send_with_headers)
+            return
+        await self._idempotent(scope, receive, send_with_headers, headers, key, kv)
+
+    async def _idempotent(
+        self, scope: Scope, receive: Receive, send: Send, headers: Headers, key: str, kv: KV
+    ) -> None:
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        caller = hashlib.sha256((extract_api_key(headers) or "").encode()).hexdigest()[:32]
+        cache_key = (
+            "idk:"
+            + hashlib.sha256(
+                f"{caller}\0{scope['method']}\0{scope['path']}\0{key}".encode()
+            ).hexdigest()
+        )
+        body_hash = hashlib.sha256(body).hexdigest()
+
+        for _ in range(2):
+            cached = await kv.get(cache_key)
+            if cached is not None:
+                await self._replay(
+                    send, json.loads(cached), body_hash, scope["state"]["request_id"]
+                )
+                return
+            waiter = self._inflight.get(cache_key)
+            if waiter is None:
+                break
+            try:  # the first copy of this request is still running here: wait for its answer
+                await asyncio.wait_for(waiter.wait(), timeout=120)
+            except TimeoutError:
+                break
+
+        sent = False
+
+        async def replay_body() -> Message:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        status = 0
+        resp_headers: list[tuple[str, str]] = []
+        chunks: list[bytes] = []
+
+        async def capture(message: Message) -> None:
+            nonlocal status, resp_headers
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                resp_headers = [
+                    (k.decode("latin-1"), v.decode("latin-1"))
+                    for k, v in message.get("headers", [])
+                ]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+            await send(message)
+
+        event = asyncio.Event()
+        self._inflight[cache_key] = event
+        try:
+            await self.app(scope, replay_body, capture)
+            out = b"".join(chunks)
+            if 200 <= status < 300 and len(out) <= _MAX_CACHED_BODY:
+                record = {
+                    "status": status,
+                    "headers": [h for h in resp_headers if h[0].lower() != "content-length"],
+                    "body": out.decode("latin-1"),
+                    "body_hash": body_hash,
+                }
+                await kv.set(cache_key, json.dumps(record).encode(), IDEMPOTENCY_TTL_S)
+        finally:
+            event.set()
+            self._inflight.pop(cache_key, None)
+
+    @staticmethod
+    async def _replay(send: Send, record: dict, body_hash: str, request_id: str) -> None:
+        if record["body_hash"] != body_hash:
+            body = json.dumps(
+                {
+                    "error": {
+                        "code": "conflict",
+                        "message": "X-Idempotency-Key was already used for a different request "
+                        "body; use a new key for a new request",
+                    },
+                    "detail": "X-Idempotency-Key reused with a different request body",
+                    "request_id": request_id,
+                }
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 409,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"x-should-retry", b"false"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        body = record["body"].encode("latin-1")
+        hdrs = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in record["headers"]]
+        hdrs += [
+            (b"content-length", str(len(body)).encode()),
+            (b"x-idempotent-replay", b"true"),
+        ]
+        await send({"type": "http.response.start", "status": record["status"], "headers": hdrs})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,192 @@
+"""External (HF/PEFT-format) weights: save_weights_external, signed download URLs, downloads.
+
+An export is the adapter in PEFT format (``adapter_model.safetensors`` + ``adapter_config.json``,
+loadable with ``peft.PeftModel.from_pretrained``), saved in the model's seq_id order like any
+checkpoint (path ``tinker://<run>/external_weights/<name>``). `get_external_weights_urls` answers
+one URL per file, served by this gateway and signed with HMAC-SHA256 over (checkpoint, file,
+expiry): whoever holds a URL can download without an API key until it expires; a URL whose
+signature does not match is 403, an expired one 410, a deleted checkpoint 404. The signing key is
+``$TWINKLE_URL_SIGNING_KEY`` or a random key kept in ``<data_dir>/secrets/url_signing.key`` (so
+every replica and restart shares it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
+from pydantic import Field
+
+from gateway.checkpoints import validate_name
+from gateway.deps import (
+    ConfigDep,
+    DbDep,
+    EngineDep,
+    FuturesDep,
+    PrincipalDep,
+    SettingsDep,
+    owned_run,
+)
+from gateway.errors import (
+    GoneError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from gateway.futures import fingerprint
+from gateway.tables import CheckpointRow, utcnow
+from gateway.tinker_api.saves import _save_future
+from gateway.tinker_api.schemas import _Req
+from gateway.tinker_api.training import _rejected, _touch, future_json
+
+router = APIRouter(prefix="/api/v1")
+EXPORT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+SIGNING_KEY_ENV = "TWINKLE_URL_SIGNING_KEY"
+
+
+class SaveWeightsExternalRequest(_Req):
+    model_id: str
+    path: str
+    seq_id: int = Field(ge=1)
+    ttl_seconds: int | None = Field(None, ge=1)
+    age_encryption_recipients: list[str] | None = None
+
+
+def signing_key(data_dir: Path) -> bytes:
+    env = os.environ.get(SIGNING_KEY_ENV)
+    if env:
+        return env.encode()
+    path = data_dir / "secrets" / "url_signing.key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)  # first writer wins; concurrent replicas read the same key
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path.read_text().strip().encode()
+
+
+def _signature(key: bytes, row: CheckpointRow, filename: str, expires: int) -> str:
+    msg = f"{row.id}\n{row.tinker_path}\n{row.created_at.isoformat()}\n{filename}\n{expires}"
+    return hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(
+    req: SaveWeightsExternalRequest,
+    who: PrincipalDep,
+    db: DbDep,
+    engine: EngineDep,
+    futures: FuturesDep,
+    settings: SettingsDep,
+) -> dict:
+    fp = fingerprint(req.model_dump(mode="json"))
+    run = owned_run(db, who, req.model_id, live=True)
+    if (prev := await futures.lookup_idempotent((run.id, req.seq_id), fp)) is not None:
+        return future_json(prev, run.id)
+    _touch(db, run)
+    problem = None
+    if req.age_encryption_recipients:
+        problem = "age_encryption_recipients: encrypted exports are not supported by this server"
+    else:
+        try:
+            validate_name(req.path, "path")
+        except InvalidRequestError as exc:
+            problem = str(exc)
+    if problem is not None:
+        rec = futures.submit(
+            user_id=who.user_id,
+            extra={"base_model": run.base_model},
+            kind="save",
+            idem_key=(run.id, req.seq_id),
+            fp=fp,
+            run=_rejected(engine, run, req.seq_id, problem),
+        )
+        return future_json(rec, run.id)
+    rec = _save_future(
+        who=who,
+        db=db,
+        engine=engine,
+        futures=futures,
+        settings=settings,
+        run=run,
+        seq_id=req.seq_id,
+        kind="external",
+        name=req.path,
+        overwrite=True,
+        ttl_seconds=req.ttl_seconds,
+        user_metadata=None,
+        include_optimizer=False,
+        fp=fp,
+    )
+    return future_json(rec, run.id)
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def external_weights_urls(
+    run_id: str,
+    checkpoint_id: str,
+    request: Request,
+    who: PrincipalDep,
+    db: DbDep,
+    settings: SettingsDep,
+    config: ConfigDep,
+) -> dict:
+    from gateway.tinker_api.checkpoints_api import visible_checkpoint
+
+    row = visible_checkpoint(db, who, run_id, checkpoint_id)
+    if row.kind != "external":
+        raise InvalidRequestError(
+            f"checkpoint_id: {checkpoint_id} is not an external_weights/ checkpoint; "
+            "create one with save_weights_external"
+        )
+    expires = int(time.time() + config.download_url_ttl_seconds)
+    key = signing_key(settings.data_dir)
+    base = str(request.base_url).rstrip("/")
+    urls = {
+        name: f"{base}/api/v1/external_weights/{row.id}/{name}"
+        f"?expires={expires}&sig={_signature(key, row, name, expires)}"
+        for name in EXPORT_FILES
+    }
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+
+@router.get("/external_weights/{checkpoint_row_id}/{filename}", response_model=None)
+async def download_external_weights(
+    checkpoint_row_id: int,
+    filename: str,
+    db: DbDep,
+    settings: SettingsDep,
+    expires: int = Query(...),
+    sig: str = Query(..., max_length=128),
+) -> FileResponse:
+    """No API key: the signature is the credential."""
+    row = db.get(CheckpointRow, checkpoint_row_id)
+    if filename not in EXPORT_FILES or row is None or row.kind != "external":
+        raise NotFoundError("download: no such file")
+    good = _signature(signing_key(settings.data_dir), row, filename, expires)
+    if not hmac.compare_digest(good, sig):
+        raise PermissionDeniedError("download: the URL's signature does not match")
+    if expires < time.time():
+        raise GoneError(
+            "download: this URL has expired; ask get_external_weights_urls for new ones"
+        )
+    if row.expires_at is not None and row.expires_at <= utcnow():
+        raise NotFoundError("download: the checkpoint has expired")
+    path = Path(row.storage_dir) / filename
+    if not path.is_file():
+        raise NotFoundError("download: the checkpoint's files are gone")
+    return FileResponse(path, filename=filename, media_type="application/octet-stream")
