@@ -83,6 +83,33 @@ class RayConfig(_Strict):
     object_store_memory_mb: int = Field(512, ge=64, description="Object store size, local Ray")
 
 
+class GatewayConfig(_Strict):
+    """The gateway's own section (read by the gateway; the engine ignores it)."""
+
+    num_replicas: int = Field(1, ge=1, description="Gateway (HTTP ingress) replicas")
+    redis_url: str | None = Field(
+        None, description="Redis for quota and rate-limit state; required with >1 replica"
+    )
+    jwt_enabled: bool = Field(
+        False, description="Tinker SDK JWT mode: clients exchange their key at /api/v1/auth/token"
+    )
+    jwt_ttl_seconds: int = Field(900, ge=60, le=86400, description="Lifetime of a minted JWT")
+    default_user_quotas: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per-user quota limits applied when a user has no "
+        "override (names as in the admin API, e.g. max_training_clients)",
+    )
+
+    @model_validator(mode="after")
+    def _redis_for_replicas(self) -> GatewayConfig:
+        if self.num_replicas > 1 and not self.redis_url:
+            raise ValueError(
+                f"num_replicas is {self.num_replicas} but redis_url is not set: quota and "
+                "rate-limit state must be shared between gateway replicas (set gateway.redis_url)"
+            )
+        return self
+
+
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
@@ -92,6 +119,7 @@ class ServerConfig(_Strict):
         description="Base models served; each gets a Trainer and a Sampler deployment",
     )
     ray: RayConfig = Field(default_factory=RayConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     long_poll_seconds: float = Field(
         25.0, gt=0, le=40, description="How long retrieve_future holds a request (SDK timeout 45 s)"
     )

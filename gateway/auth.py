@@ -3,8 +3,10 @@
 Owns: key format (``tml-`` + ``secrets.token_urlsafe(32)``, i.e. 32 random bytes), storage (only the
 sha256 hex digest and a 10-character display prefix are stored), lookup (by the indexed digest, then
 ``secrets.compare_digest``; unknown keys do the same work), where a request carries its key
-(``X-API-Key``, ``Authorization: Bearer``, ``Twinkle-Authorization: Bearer``), and the FastAPI
-dependency `PrincipalDep`. A key never appears in a log line, an error message or a response.
+(``X-API-Key``, ``Authorization: Bearer``, ``Twinkle-Authorization: Bearer``), the checks made on
+every request (revoked, expired, user or organization disabled; so a revocation is effective on the
+next request, also for JWTs minted from the key), and the FastAPI dependencies `PrincipalDep` and
+`AdminPrincipalDep`. A key never appears in a log line, an error message or a response.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from sqlalchemy import Engine
 from sqlmodel import Session, select
 from starlette.datastructures import Headers
 
-from gateway.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
-from gateway.tables import ApiKeyRow, UserRow
+from gateway.account_tables import OrganizationRow
+from gateway.errors import AuthenticationError, InvalidTokenError, PermissionDeniedError
+from gateway.tables import ApiKeyRow, UserRow, utcnow
 
 KEY_PREFIX = "tml-"
 KEY_RANDOM_BYTES = 32
 DISPLAY_PREFIX_LEN = 10
 MAX_KEY_LEN = 256
 MAX_USER_NAME_LEN = 128
+MAX_JWT_LEN = 4096
 SCOPE_USER = "user"
 SCOPE_ADMIN = "admin"
 
@@ -36,12 +40,15 @@ _DUMMY_DIGEST = hashlib.sha256(b"twinkle-no-such-key").hexdigest()
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: the owner of the API key on this request."""
+    """Who is calling: the owner of the API key (or of the JWT's key) on this request."""
 
     user_id: int
     user_name: str
     scope: str
     key_id: int
+    org_id: int | None = None
+    org_name: str | None = None
+    key_prefix: str = ""
 
     @property
     def is_admin(self) -> bool:
@@ -63,60 +70,69 @@ def display_prefix(key: str) -> str:
     return key[:DISPLAY_PREFIX_LEN]
 
 
-def create_user_and_key(session: Session, *, user_name: str, admin: bool) -> str:
-    """Create user ``user_name`` if missing, add a key (scope "admin" if ``admin`` else "user"),
-    and return the plaintext key; this is the only time it exists. An existing user asked for an
-    admin key is marked ``is_admin``; nobody is demoted. Flushes; the caller commits
-    (`gateway.db.session_scope` does)."""
-    name = user_name.strip()
-    if not name or len(name) > MAX_USER_NAME_LEN or not name.isprintable():
-        raise InvalidRequestError(f"user name must be 1-{MAX_USER_NAME_LEN} printable characters")
-    user = session.exec(select(UserRow).where(UserRow.name == name)).first()
-    if user is None:
-        user = UserRow(name=name, is_admin=admin)
-        session.add(user)
-        session.flush()
-    elif admin and not user.is_admin:
-        user.is_admin = True
-        session.add(user)
-    key = generate_api_key()
+def create_user_and_key(
+    session: Session, *, user_name: str, admin: bool, org_name: str | None = None
+) -> str:
+    """Create user ``user_name`` (in organization ``org_name``, default "default") if missing,
+    add a key (scope "admin" if ``admin`` else "user"), and return the plaintext key; this is the
+    only time it exists. Kept for ``twinkle keys create``; see `gateway.accounts` for the rest."""
+    from gateway.accounts import create_key, ensure_user
+
+    user = ensure_user(session, user_name, org_name=org_name, admin=admin)
     assert user.id is not None
-    session.add(
-        ApiKeyRow(
-            user_id=user.id,
-            digest=digest_key(key),
-            prefix=display_prefix(key),
-            scope=SCOPE_ADMIN if admin else SCOPE_USER,
-        )
-    )
-    session.flush()
+    key, _row = create_key(session, user.id, scope=SCOPE_ADMIN if admin else SCOPE_USER)
     return key
 
 
-def authenticate(session: Session, raw_key: str | None) -> Principal:
-    """Resolve a plaintext key to its `Principal`, or raise `AuthenticationError` (missing,
-    not ``tml-``, unknown, or revoked). Messages never contain the key."""
+def _principal(session: Session, key_row: ApiKeyRow) -> Principal:
+    """The principal of a key row that matched, after the revocation, expiry and disable checks
+    (done on every request, so a revocation takes effect on the next one)."""
+    if key_row.revoked_at is not None:
+        raise AuthenticationError("API key has been revoked")
+    if key_row.expires_at is not None and key_row.expires_at <= utcnow():
+        raise AuthenticationError("API key has expired")
+    user = session.get(UserRow, key_row.user_id)
+    if user is None or user.disabled_at is not None:
+        raise AuthenticationError("the API key's user is disabled")
+    org = session.get(OrganizationRow, user.org_id) if user.org_id is not None else None
+    if org is not None and org.disabled_at is not None:
+        raise AuthenticationError("the API key's organization is disabled")
+    assert key_row.id is not None and user.id is not None
+    return Principal(
+        user_id=user.id,
+        user_name=user.name,
+        scope=key_row.scope,
+        key_id=key_row.id,
+        org_id=org.id if org is not None else None,
+        org_name=org.name if org is not None else None,
+        key_prefix=key_row.prefix,
+    )
+
+
+def authenticate(session: Session, raw_key: str | None, jwt_verifier=None) -> Principal:
+    """Resolve a plaintext key (or, with ``jwt_verifier``, a JWT) to its `Principal`, or raise
+    `AuthenticationError` (missing, not ``tml-``, unknown, revoked, expired, disabled). Messages
+    never contain the key."""
     if not raw_key:
         raise AuthenticationError("missing API key (send it in the X-API-Key header)")
+    if jwt_verifier is not None and raw_key.startswith("eyJ") and len(raw_key) <= MAX_JWT_LEN:
+        key_id = jwt_verifier(raw_key)  # raises InvalidTokenError
+        key_row = session.get(ApiKeyRow, key_id)
+        if key_row is None:
+            raise InvalidTokenError("invalid token")
+        try:
+            return _principal(session, key_row)
+        except AuthenticationError as exc:
+            raise InvalidTokenError(exc.message) from None
     if not raw_key.startswith(KEY_PREFIX) or len(raw_key) > MAX_KEY_LEN:
         raise AuthenticationError("invalid API key")
     digest = digest_key(raw_key)
-    row = session.exec(
-        select(ApiKeyRow, UserRow)
-        .join(UserRow, UserRow.id == ApiKeyRow.user_id)
-        .where(ApiKeyRow.digest == digest)
-    ).first()
-    key_row, user_row = row if row is not None else (None, None)
+    key_row = session.exec(select(ApiKeyRow).where(ApiKeyRow.digest == digest)).first()
     stored = key_row.digest if key_row is not None else _DUMMY_DIGEST
     matches = secrets.compare_digest(stored.encode("ascii"), digest.encode("ascii"))
-    if key_row is None or user_row is None or not matches:
+    if key_row is None or not matches:
         raise AuthenticationError("invalid API key")
-    if key_row.revoked_at is not None:
-        raise AuthenticationError("API key has been revoked")
-    assert key_row.id is not None and user_row.id is not None
-    return Principal(
-        user_id=user_row.id, user_name=user_row.name, scope=key_row.scope, key_id=key_row.id
-    )
+    return _principal(session, key_row)
 
 
 def extract_api_key(headers: Headers) -> str | None:
@@ -135,16 +151,28 @@ def extract_api_key(headers: Headers) -> str | None:
     return None
 
 
-def authenticate_engine(engine: Engine, raw_key: str | None) -> Principal:
+def authenticate_engine(engine: Engine, raw_key: str | None, jwt_verifier=None) -> Principal:
     """`authenticate` in its own short read-only session."""
     with Session(engine) as session:
-        return authenticate(session, raw_key)
+        return authenticate(session, raw_key, jwt_verifier)
 
 
 def get_principal(request: Request) -> Principal:
-    """FastAPI dependency (sync: runs in the threadpool). Uses ``request.app.state.db_engine`` and
-    leaves the result on ``request.state.principal`` for logging and metrics."""
-    principal = authenticate_engine(request.app.state.db_engine, extract_api_key(request.headers))
+    """FastAPI dependency (sync: runs in the threadpool). Uses ``request.app.state.db_engine``
+    (and ``app.state.jwt`` when JWT mode is on) and leaves the result on
+    ``request.state.principal`` for logging and metrics. Failures are audited (no key inside)."""
+    jwt = getattr(request.app.state, "jwt", None)
+    try:
+        principal = authenticate_engine(
+            request.app.state.db_engine,
+            extract_api_key(request.headers),
+            jwt.verify if jwt is not None else None,
+        )
+    except AuthenticationError as exc:
+        from gateway.audit import record_denied
+
+        record_denied(request, None, exc.message)
+        raise
     request.state.principal = principal
     return principal
 
@@ -152,9 +180,12 @@ def get_principal(request: Request) -> Principal:
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def get_admin_principal(principal: PrincipalDep) -> Principal:
+def get_admin_principal(request: Request, principal: PrincipalDep) -> Principal:
     """FastAPI dependency: like `get_principal`, but the key must have scope "admin" (else 403)."""
     if not principal.is_admin:
+        from gateway.audit import record_denied
+
+        record_denied(request, principal, "admin scope required")
         raise PermissionDeniedError("this endpoint needs an admin API key")
     return principal
 

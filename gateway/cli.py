@@ -1,4 +1,4 @@
-"""The `twinkle` command: `serve`, `keys`, `models`."""
+"""The `twinkle` command: `serve`, `keys`, `orgs`, `quotas`, `models`."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="twinkle", description="Multi-tenant LoRA training service (Tinker-compatible)"
     )
-    parser.add_argument("command", choices=["serve", "keys", "models"])
+    parser.add_argument("command", choices=["serve", "keys", "orgs", "quotas", "models"])
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.keys_cli import keys_main
 
         return keys_main(rest)
+    if command in ("orgs", "quotas"):
+        from gateway.orgs_cli import orgs_main
+
+        return orgs_main(rest, command)
     if command == "models":
         return _models_main(rest)
     parser.error(f"unknown command {command!r}")

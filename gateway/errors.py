@@ -67,6 +67,14 @@ class AuthenticationError(GatewayError):
         return {"www-authenticate": 'Bearer realm="twinkle"'}
 
 
+class InvalidTokenError(AuthenticationError):
+    """A JWT that is expired, badly signed, or whose API key was revoked: the Tinker SDK
+    exchanges its key for a fresh JWT once when it sees ``error="invalid_token"``."""
+
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": 'Bearer realm="twinkle", error="invalid_token"'}
+
+
 class PermissionDeniedError(GatewayError):
     status_code = 403
     code = "permission_denied"
@@ -108,6 +116,19 @@ class RateLimitedError(GatewayError):
 
     def headers(self) -> dict[str, str]:
         return {"retry-after": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class QuotaExceededError(PermissionDeniedError):
+    """A hard quota cap: 403 (never retried by the SDK), the message names the quota, its limit
+    and the current use. ``QuotaExceededError(message, quota, limit, current)``."""
+
+    code = "quota_exceeded"
+    default_message = "quota exceeded"
+
+    def body_extra(self) -> dict[str, Any]:
+        if len(self.args) < 4:
+            return {}
+        return {"quota": {"name": self.args[1], "limit": self.args[2], "current": self.args[3]}}
 
 
 _CODE_BY_STATUS = {
@@ -178,7 +199,8 @@ async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayError)
     if exc.status_code >= 500:
         log.error("gateway error %s: %s", type(exc).__name__, exc.message, exc_info=exc)
-    return error_response(request, exc.status_code, exc.code, exc.message, exc.headers())
+    extra = exc.body_extra() if isinstance(exc, QuotaExceededError) else None
+    return error_response(request, exc.status_code, exc.code, exc.message, exc.headers(), extra)
 
 
 async def _engine_error(request: Request, exc: Exception) -> JSONResponse:

@@ -15,11 +15,13 @@ from typing import TextIO
 
 from sqlmodel import Session, select
 
-from gateway.auth import DISPLAY_PREFIX_LEN, KEY_PREFIX, create_user_and_key, digest_key
+from gateway.account_tables import OrganizationRow
+from gateway.accounts import create_key, ensure_user, revoke_key
+from gateway.auth import DISPLAY_PREFIX_LEN, KEY_PREFIX, digest_key
 from gateway.db import make_engine, session_scope, upgrade_to_head
 from gateway.errors import GatewayError
 from gateway.settings import Settings
-from gateway.tables import ApiKeyRow, UserRow, utcnow
+from gateway.tables import ApiKeyRow, UserRow
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,14 +30,27 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("create", help="create a key (and the user if missing); prints the key")
     c.add_argument("--user", required=True, help="user name")
     c.add_argument("--admin", action="store_true", help="give the key the admin scope")
-    sub.add_parser("list", help="list keys: prefix, user, scope, created, revoked")
+    c.add_argument(
+        "--org", help="organization of a new user (created if missing; default: default)"
+    )
+    c.add_argument("--name", help="a label for the key")
+    c.add_argument("--expires-in", type=int, metavar="SECONDS", help="key lifetime in seconds")
+    sub.add_parser("list", help="list keys: prefix, user, org, scope, created, expires, revoked")
     r = sub.add_parser("revoke", help="revoke the key with this display prefix (e.g. tml-AbCdEf)")
     r.add_argument("prefix", help="the key's display prefix as shown by `twinkle keys list`")
     return p
 
 
 def _create(session: Session, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    key = create_user_and_key(session, user_name=args.user, admin=args.admin)
+    user = ensure_user(session, args.user, org_name=args.org, admin=args.admin)
+    assert user.id is not None
+    key, _ = create_key(
+        session,
+        user.id,
+        scope="admin" if args.admin else "user",
+        name=args.name,
+        expires_in_s=args.expires_in,
+    )
     session.commit()
     scope = "admin" if args.admin else "user"
     print(key, file=out, flush=True)
@@ -49,15 +64,28 @@ def _create(session: Session, args: argparse.Namespace, out: TextIO, err: TextIO
 
 def _list(session: Session, out: TextIO) -> int:
     rows = session.exec(
-        select(ApiKeyRow, UserRow)
+        select(ApiKeyRow, UserRow, OrganizationRow)
         .join(UserRow, UserRow.id == ApiKeyRow.user_id)
+        .join(OrganizationRow, OrganizationRow.id == UserRow.org_id, isouter=True)
         .order_by(ApiKeyRow.id)
     ).all()
-    table = [("PREFIX", "USER", "SCOPE", "CREATED", "REVOKED")]
-    for key, user in rows:
-        created = key.created_at.isoformat(timespec="seconds") + "Z"
-        revoked = key.revoked_at.isoformat(timespec="seconds") + "Z" if key.revoked_at else "-"
-        table.append((key.prefix, user.name, key.scope, created, revoked))
+
+    def ts(value) -> str:
+        return value.isoformat(timespec="seconds") + "Z" if value else "-"
+
+    table = [("PREFIX", "USER", "ORG", "SCOPE", "CREATED", "EXPIRES", "REVOKED")]
+    for key, user, org in rows:
+        table.append(
+            (
+                key.prefix,
+                user.name,
+                org.name if org else "-",
+                key.scope,
+                ts(key.created_at),
+                ts(key.expires_at),
+                ts(key.revoked_at),
+            )
+        )
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for r in table:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip(), file=out)
@@ -85,8 +113,7 @@ def _revoke(session: Session, args: argparse.Namespace, err: TextIO) -> int:
     if row.revoked_at is not None:
         print(f"key {wanted} was already revoked at {row.revoked_at.isoformat()}Z", file=err)
         return 0
-    row.revoked_at = utcnow()
-    session.add(row)
+    revoke_key(session, row)
     session.commit()
     print(f"revoked key {wanted}", file=err)
     return 0

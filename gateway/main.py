@@ -16,7 +16,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from engine.config import ServerConfig
-from gateway import openai_api, twinkle_api
+from gateway import admin_api, openai_api, twinkle_api
+from gateway.accounts_setup import build_jwt, build_quotas
 from gateway.db import make_engine
 from gateway.engine_client import EngineClient
 from gateway.errors import register_exception_handlers
@@ -38,6 +39,7 @@ from gateway.tinker_api import (
     sessions_rest,
     training,
 )
+from gateway.usage import UsageLedger
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +48,35 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db_engine = make_engine(settings.database_url)
-        # With Redis, futures and idempotency keys are shared by replicas and survive restarts.
-        app.state.kv = make_kv(settings.redis_url)
+        # With Redis (TWINKLE_REDIS_URL or gateway.redis_url), futures, idempotency keys and quota
+        # state are shared by gateway replicas and survive restarts.
+        redis_url = settings.redis_url or config.gateway.redis_url
+        app.state.kv = make_kv(redis_url)
         app.state.futures = FutureStore(
-            make_kv(settings.redis_url),
+            make_kv(redis_url),
             result_ttl_s=config.future_ttl_seconds,
-            shared=settings.redis_url is not None,
+            shared=redis_url is not None,
         )
         app.state.futures.job_runner = lambda job: jobs.runner(engine_client, job)
         await app.state.futures.start()
-        sweeper = asyncio.get_running_loop().create_task(
-            sweep_forever(app.state.db_engine, engine_client, config)
-        )
+        app.state.quotas = build_quotas(settings, config, app.state.db_engine, redis_url)
+        app.state.jwt = build_jwt(settings, config)
+        app.state.usage = UsageLedger(app.state.db_engine)
+        loop = asyncio.get_running_loop()
+        background = [
+            loop.create_task(sweep_forever(app.state.db_engine, engine_client, config)),
+            loop.create_task(app.state.usage.run_storage_accrual()),
+        ]
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(BaseException):
-                await sweeper
+            for task in background:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
             await app.state.futures.aclose()
             await app.state.kv.aclose()
+            await app.state.quotas.aclose()
             app.state.db_engine.dispose()
 
     app = FastAPI(title="Twinkle", version="0.1.0", lifespan=lifespan)
@@ -85,4 +96,6 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         app.include_router(module.router)
     for module in (checkpoints_api, runs, openai_api, twinkle_api):
         app.include_router(module.router)
+    for router in admin_api.routers():
+        app.include_router(router)
     return app

@@ -107,7 +107,7 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
     install_handlers()
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
-        app = Gateway.bind(
+        app = Gateway.options(num_replicas=config.gateway.num_replicas).bind(
             settings.model_dump(mode="json"),
             config.model_dump(mode="json"),
             engine_apps(config, str(settings.data_dir)),

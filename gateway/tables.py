@@ -27,6 +27,9 @@ class UserRow(SQLModel, table=True):
     name: str = Field(index=True, unique=True, max_length=128)
     is_admin: bool = False
     created_at: NaiveDatetime = Field(default_factory=utcnow)
+    # Accounts (migration 0002_accounts): the user's organization and a soft disable.
+    org_id: int | None = Field(default=None, foreign_key="organizations.id", index=True)
+    disabled_at: NaiveDatetime | None = None
 
 
 class ApiKeyRow(SQLModel, table=True):
@@ -42,6 +45,9 @@ class ApiKeyRow(SQLModel, table=True):
     scope: str = Field(default="user", max_length=16)  # "user" | "admin"
     created_at: NaiveDatetime = Field(default_factory=utcnow)
     revoked_at: NaiveDatetime | None = None
+    # Accounts (migration 0002_accounts): a label and an optional expiry.
+    name: str | None = Field(default=None, max_length=128)
+    expires_at: NaiveDatetime | None = None
 
 
 class SessionRow(SQLModel, table=True):
@@ -121,3 +127,13 @@ class SamplingSessionRow(SQLModel, table=True):
     model_path: str | None = Field(default=None, max_length=512)
     adapter_dir: str | None = Field(default=None, max_length=1024)
     created_at: NaiveDatetime = Field(default_factory=utcnow)
+
+
+# Organizations, quotas, usage ledger and audit log live in their own module (issue #6); imported
+# here so that ``SQLModel.metadata`` (Alembic's target) always holds every table.
+from gateway.account_tables import (  # noqa: E402,F401
+    AuditEventRow,
+    OrganizationRow,
+    QuotaLimitRow,
+    UsageBucketRow,
+)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from sqlmodel import col, or_, select
 
@@ -25,6 +25,7 @@ from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.openai_api import responses as R
 from gateway.openai_api import streaming as S
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
+from gateway.quotas.metering import SampleMeter
 from gateway.sampling_limits import SamplingLimiterDep
 from gateway.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
 
@@ -227,12 +228,15 @@ async def chat_completions(
     engine: EngineDep,
     config: ConfigDep,
     limiter: SamplingLimiterDep,
+    request: Request,
 ):
     _check_unsupported(req)
     stops = req.stop_strings()
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     target = resolve_model(db, who, engine, req.model)
-    slot = limiter.acquire(who.user_id)
+    limits = limiter.quotas.limits(who, db)
+    slot = await limiter.acquire(who, limits)
+    meter = None
     try:
         try:
             prompt = await engine.sampler(target.base_model, "encode_chat", messages)
@@ -243,6 +247,9 @@ async def chat_completions(
             explicit, DEFAULT_CHAT_MAX_TOKENS, len(prompt), config, target.base_model
         )
         params = _params(req, max_tokens, stops)
+        meter = await SampleMeter.start(
+            request.app.state, who, limits, target.base_model, len(prompt), max_tokens * req.n
+        )
         rid, created, logprobs = R.new_id("chatcmpl"), R.now(), bool(req.logprobs)
         if req.stream:
             inp = _sample_input(target, prompt, req.n, params)
@@ -260,14 +267,16 @@ async def chat_completions(
                 len(prompt),
                 logprobs,
                 include_usage,
-                slot.release,
+                _finisher(meter, slot),
             )
             return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
         choices = await _sample(engine, target, prompt, req.n, params, stops, 0, "messages")
     except BaseException:
-        slot.release()
+        if meter is not None:
+            await meter.finish(None)
+        await slot.release()
         raise
-    slot.release()
+    await _finisher(meter, slot)(choices)
     return R.chat_completion(rid, req.model, created, choices, len(prompt), logprobs)
 
 
@@ -292,6 +301,7 @@ async def completions(
     engine: EngineDep,
     config: ConfigDep,
     limiter: SamplingLimiterDep,
+    request: Request,
 ):
     _check_unsupported(req)
     stops = req.stop_strings()
@@ -299,10 +309,12 @@ async def completions(
     target = resolve_model(db, who, engine, req.model)
     rid, created = R.new_id("cmpl"), R.now()
     logprobs = req.logprobs is not None
-    slot = limiter.acquire(who.user_id)
+    limits = limiter.quotas.limits(who, db)
+    slot = await limiter.acquire(who, limits)
+    meter = None
     try:
         inputs: list[tuple[str, SampleInput]] = []
-        prompt_tokens = 0
+        prompt_tokens = budget = 0
         for k, p in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
             try:
@@ -323,8 +335,12 @@ async def completions(
                 config,
                 target.base_model,
             )
+            budget += max_tokens * req.n
             params = _params(req, max_tokens, stops)
             inputs.append((field, _sample_input(target, tokens, req.n, params)))
+        meter = await SampleMeter.start(
+            request.app.state, who, limits, target.base_model, prompt_tokens, budget
+        )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = await S.open_stream(
@@ -339,17 +355,32 @@ async def completions(
                 prompt_tokens,
                 logprobs,
                 include_usage,
-                slot.release,
+                _finisher(meter, slot),
             )
             return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
         choices: list[R.Choice] = []
         for k, (field, inp) in enumerate(inputs):
             choices += await _run(engine, target, inp, stops, k * req.n, field)
     except BaseException:
-        slot.release()
+        if meter is not None:
+            await meter.finish(None)
+        await slot.release()
         raise
-    slot.release()
+    await _finisher(meter, slot)(choices)
     return R.completion(rid, req.model, created, choices, prompt_tokens, logprobs)
+
+
+def _finisher(meter: SampleMeter, slot):
+    """Called once with the finished choices (None: the request failed or the client left):
+    refund the unused token budget, record usage, free the sampling slot."""
+
+    async def finish(choices: list[R.Choice] | None) -> None:
+        try:
+            await meter.finish(None if choices is None else sum(c.n_tokens for c in choices))
+        finally:
+            await slot.release()
+
+    return finish
 
 
 async def _chain_events(engine, target: Target, inputs, stops: list[str], n: int):

@@ -17,7 +17,7 @@ the engine rejects still gets a plain 4xx JSON error, not a broken stream.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from engine.errors import EngineError
@@ -154,7 +154,7 @@ async def chat_sse(
     prompt_tokens: int,
     logprobs: bool,
     include_usage: bool,
-    release: Callable[[], None],
+    finish: Callable[[list[R.Choice] | None], Awaitable[None]],
 ) -> AsyncIterator[bytes]:
     """chat.completion.chunk events: a role delta per choice, content deltas as text becomes
     final, a finish_reason delta per choice, optional usage, then ``[DONE]``."""
@@ -175,6 +175,7 @@ async def chat_sse(
         return R.sse(body)
 
     finished: list[R.Choice] = []
+    complete = False
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -208,8 +209,11 @@ async def chat_sse(
                 }
             )
         yield R.sse("[DONE]")
+        complete = True
     finally:
-        release()
+        # ``finish`` gets the choices only for a stream that ran to the end (usage is charged
+        # for what was generated); a failed or abandoned stream refunds its budget
+        await finish(finished if complete else None)
 
 
 async def completion_sse(
@@ -220,7 +224,7 @@ async def completion_sse(
     prompt_tokens: int,
     logprobs: bool,
     include_usage: bool,
-    release: Callable[[], None],
+    finish: Callable[[list[R.Choice] | None], Awaitable[None]],
 ) -> AsyncIterator[bytes]:
     """text_completion stream chunks: text as it becomes final, a finish_reason chunk per choice,
     optional usage, then ``[DONE]``."""
@@ -242,6 +246,7 @@ async def completion_sse(
 
     finished: list[R.Choice] = []
     offsets: dict[int, int] = {}
+    complete = False
     try:
         try:
             async for ev in events:
@@ -280,5 +285,8 @@ async def completion_sse(
                 }
             )
         yield R.sse("[DONE]")
+        complete = True
     finally:
-        release()
+        # ``finish`` gets the choices only for a stream that ran to the end (usage is charged
+        # for what was generated); a failed or abandoned stream refunds its budget
+        await finish(finished if complete else None)

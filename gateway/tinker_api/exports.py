@@ -41,6 +41,7 @@ from gateway.errors import (
     PermissionDeniedError,
 )
 from gateway.futures import fingerprint
+from gateway.quotas import QuotasDep
 from gateway.tables import CheckpointRow, utcnow
 from gateway.tinker_api.saves import _save_future
 from gateway.tinker_api.schemas import _Req
@@ -92,6 +93,8 @@ async def save_weights_external(
     engine: EngineDep,
     futures: FuturesDep,
     settings: SettingsDep,
+    quotas: QuotasDep,
+    request: Request,
 ) -> dict:
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(db, who, req.model_id, live=True)
@@ -116,8 +119,10 @@ async def save_weights_external(
             run=_rejected(engine, run, req.seq_id, problem),
         )
         return future_json(rec, run.id)
-    rec = _save_future(
+    rec = await _save_future(
         who=who,
+        quotas=quotas,
+        usage_ledger=request.app.state.usage,
         db=db,
         engine=engine,
         futures=futures,

@@ -14,6 +14,7 @@ from sqlmodel import col, func, select
 from gateway.checkpoints import SEGMENT_OF_KIND, delete_checkpoint, parse_path
 from gateway.deps import DbDep, PrincipalDep, owned_run
 from gateway.errors import NotFoundError
+from gateway.quotas import QuotasDep
 from gateway.sweeper import purge_expired_checkpoints
 from gateway.tables import CheckpointRow, TrainingRunRow, UserRow
 
@@ -191,7 +192,7 @@ async def list_user_checkpoints(
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 async def delete_run_checkpoint(
-    run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep
+    run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep, quotas: QuotasDep
 ) -> dict:
     owned_run(db, who, run_id)
     parsed = parse_path(f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
@@ -201,4 +202,5 @@ async def delete_run_checkpoint(
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"checkpoint_id: checkpoint {checkpoint_id!r} not found")
     delete_checkpoint(db, row)
+    await quotas.release_checkpoint(who.user_id, who.org_id, parsed.tinker_path)
     return {"deleted": parsed.tinker_path}

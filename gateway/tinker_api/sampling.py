@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from engine.protocol import SampleInput, SamplingParams
 from gateway.checkpoints import readable_checkpoint
@@ -120,6 +120,7 @@ async def asample(
     futures: FuturesDep,
     config: ConfigDep,
     limiter: SamplingLimiterDep,
+    request: Request,
 ) -> dict:
     if req.sampling_session_id:
         row = owned_sampler(db, who, req.sampling_session_id)
@@ -149,18 +150,45 @@ async def asample(
         target_prompt_ids=target_ids,
     )
 
-    # One slot of the user's concurrent-sampling limit from submit until the future finishes;
-    # over the limit: 429 + retry-after, no future is recorded, the SDK retries the same seq_id.
-    slot = limiter.acquire(who.user_id)
+    # Token rate: prompt + the most it may sample is charged up front (429 + retry-after when
+    # over; the unused part is refunded). Then one slot of the concurrent-sampling limit from
+    # submit until the future finishes; over it: 429, no future is recorded, the SDK retries.
+    quotas = limiter.quotas
+    limits = quotas.limits(who, db)
+    budget = len(inp.prompt_tokens) + inp.params.max_tokens * inp.num_samples
+    charged = await quotas.charge_tokens(who, "sample", budget, limits)
+    try:
+        slot = await limiter.acquire(who, limits)
+    except BaseException:
+        await quotas.refund_tokens(charged, budget)
+        raise
+    ledger = request.app.state.usage
+    session_id = req.sampling_session_id.split(":")[0] if req.sampling_session_id else None
     # a sampling session sticks to one Sampler replica (its adapter stays cached there)
     affinity = req.sampling_session_id or adapter_dir
 
     async def run_() -> tuple[str, object]:
+        used = 0
         try:
             out = await engine.sampler(base, "sample", inp, affinity=affinity)
+            sampled = sum(len(s.tokens) for s in out.sequences)
+            used = len(inp.prompt_tokens) + sampled
+            for kind, n in (
+                ("sampling_prefill", len(inp.prompt_tokens)),
+                ("sampling_sample", sampled),
+            ):
+                ledger.record(
+                    user_id=who.user_id,
+                    org_id=who.org_id,
+                    kind=kind,
+                    quantity=n,
+                    session_id=session_id,
+                    base_model=base,
+                )
             return "proto", encode_sample_output(out, target_csr)
         finally:
-            slot.release()
+            await slot.release()
+            await quotas.refund_tokens(charged, budget - used)
 
     try:
         rec = futures.submit(
@@ -172,7 +200,7 @@ async def asample(
             extra={"sequence_ids": []},
         )
     except BaseException:
-        slot.release()
+        await slot.release()
         raise
     rec.extra["sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(req.num_samples)]
     return {"request_id": rec.request_id, "sample_sequence_ids": rec.extra["sequence_ids"]}

@@ -10,13 +10,14 @@ from __future__ import annotations
 import shutil
 from datetime import timedelta
 
-from fastapi import APIRouter
-from sqlmodel import Session, select
+from fastapi import APIRouter, Request
+from sqlmodel import Session, col, select
 
 from gateway.checkpoints import ParsedPath, new_storage_dir, validate_name
 from gateway.deps import DbDep, EngineDep, FuturesDep, PrincipalDep, SettingsDep, owned_run
-from gateway.errors import InvalidRequestError
+from gateway.errors import InvalidRequestError, QuotaExceededError
 from gateway.futures import FutureRecord, fingerprint
+from gateway.quotas import QuotasDep
 from gateway.tables import CheckpointRow, SamplingSessionRow, TrainingRunRow, utcnow
 from gateway.tinker_api.schemas import SaveWeightsForSamplerRequest, SaveWeightsRequest
 from gateway.tinker_api.training import _rejected, _touch, future_json
@@ -24,9 +25,11 @@ from gateway.tinker_api.training import _rejected, _touch, future_json
 router = APIRouter(prefix="/api/v1")
 
 
-def _save_future(
+async def _save_future(
     *,
     who,
+    quotas,
+    usage_ledger,
     db,
     engine,
     futures,
@@ -44,7 +47,11 @@ def _save_future(
     sampling_session_id: str | None = None,
     fp: str | None = None,
 ) -> FutureRecord:
-    """Save in seq order, then record the checkpoint row (replacing an overwritten one)."""
+    """Save in seq order, then record the checkpoint row (replacing an overwritten one).
+
+    A non-ephemeral save reserves the checkpoint count / bytes quotas first (a denial fails this
+    seq_id in order, as a 403 in the future), commits the real size after the save, and records
+    it in the usage ledger."""
     parsed = ParsedPath(run.id, kind, name)
     existing = db.exec(
         select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path)
@@ -64,6 +71,23 @@ def _save_future(
                 "pass overwrite=True to replace it",
             ),
         )
+    if not ephemeral:
+        last = db.exec(
+            select(CheckpointRow.size_bytes)
+            .where(CheckpointRow.run_id == run.id)
+            .order_by(col(CheckpointRow.created_at).desc())
+        ).first()
+        try:
+            await quotas.reserve_checkpoint(who, parsed.tinker_path, int(last or 0), db)
+        except QuotaExceededError as exc:
+            return futures.submit(
+                user_id=who.user_id,
+                extra={"base_model": run.base_model},
+                kind="save",
+                idem_key=(run.id, seq_id),
+                fp=fp,
+                run=_rejected(engine, run, seq_id, str(exc)),
+            )
     directory = new_storage_dir(settings.data_dir, who.user_id, parsed)
     directory.parent.mkdir(parents=True, exist_ok=True)
     expires = None
@@ -71,9 +95,24 @@ def _save_future(
         expires = utcnow() + timedelta(seconds=ttl_seconds)
 
     async def run_() -> tuple[str, object]:
-        size = await engine.trainer(
-            run.base_model, "save_state", run.id, seq_id, str(directory), include_optimizer
-        )
+        try:
+            size = await engine.trainer(
+                run.base_model, "save_state", run.id, seq_id, str(directory), include_optimizer
+            )
+        except BaseException:
+            if not ephemeral and existing is None:
+                await quotas.release_checkpoint(who.user_id, who.org_id, parsed.tinker_path)
+            raise
+        if not ephemeral:
+            await quotas.commit_checkpoint(who.user_id, who.org_id, parsed.tinker_path, size)
+            usage_ledger.record(
+                user_id=who.user_id,
+                org_id=who.org_id,
+                kind="checkpoint",
+                quantity=1,
+                session_id=run.session_id,
+                base_model=run.base_model,
+            )
         with Session(db.get_bind()) as s:
             old = s.exec(
                 select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path)
@@ -133,6 +172,8 @@ async def save_weights(
     engine: EngineDep,
     futures: FuturesDep,
     settings: SettingsDep,
+    quotas: QuotasDep,
+    request: Request,
 ) -> dict:
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(db, who, req.model_id, live=True)
@@ -151,8 +192,10 @@ async def save_weights(
             run=_rejected(engine, run, req.seq_id, str(exc)),
         )
         return future_json(rec, run.id)
-    rec = _save_future(
+    rec = await _save_future(
         who=who,
+        quotas=quotas,
+        usage_ledger=request.app.state.usage,
         db=db,
         engine=engine,
         futures=futures,
@@ -178,6 +221,8 @@ async def save_weights_for_sampler(
     engine: EngineDep,
     futures: FuturesDep,
     settings: SettingsDep,
+    quotas: QuotasDep,
+    request: Request,
 ) -> dict:
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(db, who, req.model_id, live=True)
@@ -186,6 +231,8 @@ async def save_weights_for_sampler(
     _touch(db, run)
     common = dict(
         who=who,
+        quotas=quotas,
+        usage_ledger=request.app.state.usage,
         db=db,
         engine=engine,
         futures=futures,
@@ -215,7 +262,7 @@ async def save_weights_for_sampler(
             return future_json(rec, run.id)
         sampler_id = f"{run.session_id}:sample:{req.sampling_session_seq_id}"
         # Ephemeral weights expire with a day's margin; they exist only to back that sampler.
-        rec = _save_future(
+        rec = await _save_future(
             **common,
             name=f"ephemeral-{req.sampling_session_seq_id}",
             overwrite=True,
@@ -237,5 +284,5 @@ async def save_weights_for_sampler(
             run=_rejected(engine, run, req.seq_id, str(exc)),
         )
         return future_json(rec, run.id)
-    rec = _save_future(**common, name=name, overwrite=True, ttl_seconds=req.ttl_seconds)
+    rec = await _save_future(**common, name=name, overwrite=True, ttl_seconds=req.ttl_seconds)
     return future_json(rec, run.id)

@@ -8,11 +8,13 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from sqlmodel import select
 
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, owned_session
 from gateway.errors import NotFoundError
 from gateway.middleware import deprecation_for, parse_version, sdk_version
-from gateway.tables import SessionRow, utcnow
+from gateway.quotas import QuotasDep
+from gateway.tables import SessionRow, TrainingRunRow, utcnow
 from gateway.tinker_api.schemas import (
     ClientConfigRequest,
     CreateSessionRequest,
@@ -38,11 +40,12 @@ async def healthz(config: ConfigDep, engine: EngineDep) -> dict | JSONResponse:
 
 
 @router.post("/client/config")
-async def client_config(req: ClientConfigRequest, who: PrincipalDep) -> dict:
-    # Features are negotiated here. Plain API keys, uncompressed protobuf fwd/bwd bodies, no
-    # session-wide retrieve_futures, custom losses run client-side (tinker-protocol.md §10).
+async def client_config(req: ClientConfigRequest, who: PrincipalDep, request: Request) -> dict:
+    # Features are negotiated here. API keys (or JWTs when gateway.jwt_enabled), uncompressed
+    # protobuf fwd/bwd bodies, no session-wide retrieve_futures, custom losses run client-side
+    # (tinker-protocol.md §10).
     return {
-        "pjwt_auth_enabled": False,
+        "pjwt_auth_enabled": getattr(request.app.state, "jwt", None) is not None,
         "proto_compress_fwdbwd": False,
         "sample_use_retrieve_futures": False,
         "sample_join_sampling_session": False,
@@ -90,7 +93,7 @@ async def session_heartbeat(req: SessionHeartbeatRequest, who: PrincipalDep, db:
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(
-    session_id: str, req: FinishSessionRequest, who: PrincipalDep, db: DbDep
+    session_id: str, req: FinishSessionRequest, who: PrincipalDep, db: DbDep, quotas: QuotasDep
 ) -> dict:
     row = db.get(SessionRow, session_id)
     if row is None or row.user_id != who.user_id:
@@ -100,6 +103,9 @@ async def finish_session(
         row.finish_reason = req.reason.type if req.reason else "success"
         db.add(row)
         db.commit()
+        # A finished session's training clients no longer count against max_training_clients.
+        runs = db.exec(select(TrainingRunRow.id).where(TrainingRunRow.session_id == session_id))
+        await quotas.release_training_clients(who.user_id, who.org_id, list(runs))
     return {"status": "finished", "session_id": session_id}
 
 

@@ -24,11 +24,13 @@ from gateway.deps import (
     owned_run,
     owned_session,
 )
-from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.errors import InvalidRequestError, NotFoundError, QuotaExceededError
 from gateway.futures import FutureRecord, fingerprint
+from gateway.quotas import QuotasDep
 from gateway.tables import TrainingRunRow, utcnow
 from gateway.tinker_api import compat, jobs
 from gateway.tinker_api.proto_codec import decode_forward_backward
+from gateway.usage import UsageLedger
 from gateway.tinker_api.schemas import (
     CreateModelRequest,
     GetInfoRequest,
@@ -66,6 +68,7 @@ async def create_model(
     engine: EngineDep,
     futures: FuturesDep,
     config: ConfigDep,
+    quotas: QuotasDep,
 ) -> dict:
     fp = fingerprint(req.model_dump(mode="json"))
     session = owned_session(db, who, req.session_id)
@@ -93,6 +96,9 @@ async def create_model(
         return future_json(prev, model_id)
     if db.get(TrainingRunRow, model_id) is not None:
         raise InvalidRequestError(f"model_seq_id: model {model_id} already exists in this session")
+    limits = quotas.limits(who, db)
+    quotas.check_lora_rank(who, rank, limits)
+    await quotas.acquire_training_client(who, model_id, limits, db)  # 403 at the cap, atomically
     seed = req.lora_config.seed if req.lora_config.seed is not None else 0
     spec = LoraSpec(
         rank=rank,
@@ -162,7 +168,12 @@ async def _read_body(request: Request) -> bytes:
 @router.post("/forward")  # SDK 0.16.x: forward-only, JSON body
 @router.post("/forward_backward")
 async def forward_backward(
-    request: Request, who: PrincipalDep, db: DbDep, engine: EngineDep, futures: FuturesDep
+    request: Request,
+    who: PrincipalDep,
+    db: DbDep,
+    engine: EngineDep,
+    futures: FuturesDep,
+    quotas: QuotasDep,
 ) -> dict:
     ctype = request.headers.get("content-type", "")
     if "json" in ctype:  # the JSON wire format of older SDKs
@@ -214,7 +225,35 @@ async def forward_backward(
         )
         return future_json(rec, model_id)
 
-    run_ = jobs.runner(engine, jobs.forward_backward_job(run.base_model, model_id, seq_id, body))
+    n_tokens = sum(len(d.tokens) for d in inp.data)
+    try:  # over the rate: 429 + retry-after (the SDK resends this seq_id)
+        await quotas.charge_tokens(who, "train", n_tokens, quotas.limits(who, db))
+    except QuotaExceededError as exc:  # can never fit: fail this seq_id in order
+        rec = futures.submit(
+            user_id=who.user_id,
+            extra={"base_model": run.base_model},
+            kind=kind,
+            idem_key=(model_id, seq_id),
+            fp=fp,
+            run=_rejected(engine, run, seq_id, str(exc)),
+        )
+        return future_json(rec, model_id)
+    ledger: UsageLedger = request.app.state.usage
+    job_run = jobs.runner(engine, jobs.forward_backward_job(run.base_model, model_id, seq_id, body))
+
+    async def run_() -> tuple[str, object]:
+        out = await job_run()
+        ledger.record(
+            user_id=who.user_id,
+            org_id=who.org_id,
+            kind="training",
+            quantity=n_tokens,
+            session_id=run.session_id,
+            base_model=run.base_model,
+        )
+        return out
+
+    run_.job = job_run.job  # type: ignore[attr-defined]  # a replica taking over re-runs it
 
     rec = futures.submit(
         user_id=who.user_id,
@@ -271,6 +310,7 @@ async def load_weights(
     engine: EngineDep,
     futures: FuturesDep,
     config: ConfigDep,
+    quotas: QuotasDep,
 ) -> dict:
     fp = fingerprint(req.model_dump(mode="json"))
     ckpt = readable_checkpoint(db, who.user_id, req.path, "path")
@@ -320,6 +360,9 @@ async def load_weights(
         return future_json(prev, model_id)
     if db.get(TrainingRunRow, model_id) is not None:
         raise InvalidRequestError(f"model_seq_id: model {model_id} already exists in this session")
+    limits = quotas.limits(who, db)
+    quotas.check_lora_rank(who, source.lora_rank, limits)
+    await quotas.acquire_training_client(who, model_id, limits, db)
     run = TrainingRunRow(
         id=model_id,
         session_id=session.id,

@@ -165,7 +165,7 @@ async def call_model(
             check_processor(kw.get("processor"), {k: v for k, v in kw.items() if k != "processor"})
             result = await _invoke(nm, method, name, kw)
         elif method == "add_adapter_to_model":
-            result = await _add_adapter(nm, name, kw, who, db)
+            result = await _add_adapter(nm, name, kw, who, db, request.app.state.quotas)
         elif method == "save":
             result = await _save(nm, name, kw, who, db, settings)
         else:  # load, resume_from_checkpoint
@@ -228,7 +228,7 @@ def _ensure_run_row(db, who, nm: NativeModel, adapter_name: str, spec) -> Traini
     return row
 
 
-async def _add_adapter(nm: NativeModel, name: str, kw: dict, who, db) -> None:
+async def _add_adapter(nm: NativeModel, name: str, kw: dict, who, db, quotas) -> None:
     if "config" not in kw:
         raise InvalidRequestError(
             "kwargs.config: a LoRA config (dict) or a checkpoint path is required"
@@ -250,6 +250,10 @@ async def _add_adapter(nm: NativeModel, name: str, kw: dict, who, db) -> None:
             )
     else:
         raise InvalidRequestError("kwargs.config: must be a LoRA config dict or a checkpoint path")
+    # the same quotas as Tinker's create_model: max LoRA rank, concurrent training clients
+    limits = quotas.limits(who, db)
+    quotas.check_lora_rank(who, spec.rank, limits)
+    await quotas.acquire_training_client(who, nm.proxy.run_id(name), limits, db)
     existed = db.get(TrainingRunRow, nm.proxy.run_id(name)) is not None
     row = _ensure_run_row(db, who, nm, name, spec)
     if existed:  # re-added after remove_adapter: the run (and its checkpoints) continue
@@ -264,6 +268,7 @@ async def _add_adapter(nm: NativeModel, name: str, kw: dict, who, db) -> None:
         if not existed:
             db.delete(row)
             db.commit()
+            await quotas.release_training_clients(who.user_id, who.org_id, [row.id])
         raise
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import math
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from engine.models.registry import resolve_model_dir
 from engine.protocol import SampleInput, SamplingParams
 from gateway.checkpoints import readable_checkpoint
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.quotas.metering import SampleMeter
 from gateway.sampling_limits import SamplingLimiterDep
 from gateway.tables import TrainingRunRow
 from gateway.twinkle_api.schemas import EncodeRequest, SampleRequest, SetTemplateRequest
@@ -114,29 +115,46 @@ async def sample(
     config: ConfigDep,
     settings: SettingsDep,
     limiter: SamplingLimiterDep,
+    request: Request,
 ) -> dict:
     enc = encoder_for(config, settings, req.base_model, req.template)
     adapter_dir = _adapter_dir(db, who, req.base_model, req.adapter_uri)
     prompts = [enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(req.inputs)]
     params = _params(req)
     sp = req.sampling_params
-    with limiter.acquire(who.user_id):
-        outs = await asyncio.gather(
-            *(
-                engine.sampler(
-                    req.base_model,
-                    "sample",
-                    SampleInput(
-                        prompt_tokens=p,
-                        num_samples=sp.num_samples,
-                        params=params,
-                        prompt_logprobs=sp.prompt_logprobs,
-                        adapter_dir=adapter_dir,
-                    ),
-                )
-                for p in prompts
-            )
+    limits = limiter.quotas.limits(who, db)
+    async with limiter.acquire(who, limits):
+        # the sample token rate and the usage ledger, as for the Tinker and OpenAI routes
+        meter = await SampleMeter.start(
+            request.app.state,
+            who,
+            limits,
+            req.base_model,
+            sum(len(p) for p in prompts),
+            params.max_tokens * sp.num_samples * len(prompts),
         )
+        sampled = None
+        try:
+            outs = await asyncio.gather(
+                *(
+                    engine.sampler(
+                        req.base_model,
+                        "sample",
+                        SampleInput(
+                            prompt_tokens=p,
+                            num_samples=sp.num_samples,
+                            params=params,
+                            prompt_logprobs=sp.prompt_logprobs,
+                            adapter_dir=adapter_dir,
+                        ),
+                        affinity=adapter_dir,
+                    )
+                    for p in prompts
+                )
+            )
+            sampled = sum(len(s.tokens) for out in outs for s in out.sequences)
+        finally:
+            await meter.finish(sampled)
     samples = []
     for prompt, out in zip(prompts, outs, strict=True):
         seqs = []

@@ -26,16 +26,11 @@ _PARAM = re.compile(r"\{[^}]*\}")
 
 #: (METHOD-less) SDK routes we do not serve, and why (the README's table says the same)
 UNSUPPORTED = {
-    "/api/v1/auth/token": "JWT exchange: plain tml- API keys only (pjwt_auth_enabled false)",
-    "/api/v1/auth/apikey/me": "CLI key self-management: keys are managed with `twinkle keys`",
     "/api/v1/create_custom_loss": "server-side custom losses are off; the SDK runs them locally",
     "/api/v1/join_sampling_session": "opt-in flag sample_join_sampling_session is off",
     "/api/v1/retrieve_futures": "opt-in flag sample_use_retrieve_futures is off",
     "/api/v1/cancel_future": "opt-in flag sample_cancel_enabled is off",
     "/api/v1/sessions/search": "experimental session search is not implemented",
-    "/api/v1/audit": "admin audit log belongs to the admin API (issue #6)",
-    "/api/v1/billing/usage/events": "billing is not part of a self-hosted server",
-    "/api/v1/billing/usage/checkpoints/current": "billing is not part of a self-hosted server",
     "/api/v1/sessions/test-session": "an example id in an SDK docstring, not a route",
 }
 

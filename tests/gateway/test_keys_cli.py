@@ -115,3 +115,38 @@ def test_settings_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     s = Settings.from_env({"TWINKLE_DATA_DIR": "rel", "TWINKLE_DATABASE_URL": "postgresql://h/db"})
     assert s.data_dir == (tmp_path / "rel").resolve()
     assert s.database_url == "postgresql://h/db"
+
+
+def test_create_in_an_org_with_expiry_and_the_orgs_and_quotas_commands(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway.orgs_cli import orgs_main
+
+    key = _create(
+        capsys, "--user", "alice", "--org", "acme", "--name", "laptop", "--expires-in", "3600"
+    )
+    principal = _auth(key)
+    assert principal.org_name == "acme" and principal.org_id is not None
+    assert keys_main(["list"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(key[:10]))
+    assert "acme" in line.split() and line.split()[5] != "-"  # org and expiry shown
+    # a user stays in its organization
+    assert keys_main(["create", "--user", "alice", "--org", "other"]) == 1
+    assert orgs_main(["list"]) == 0
+    assert "acme\tactive" in capsys.readouterr().out
+    assert orgs_main(["disable", "acme"]) == 0
+    with pytest.raises(AuthenticationError):
+        _auth(key)
+    assert orgs_main(["enable", "acme"]) == 0
+    assert _auth(key).user_name == "alice"
+    capsys.readouterr()
+    assert orgs_main(["max_training_clients=2"], "quotas") == 2  # usage error
+    assert (
+        orgs_main(["set", "--org", "acme", "max_training_clients=2", "max_lora_rank=8"], "quotas")
+        == 0
+    )
+    assert capsys.readouterr().out.split() == ["max_lora_rank=8", "max_training_clients=2"]
+    assert orgs_main(["set", "--user", "alice", "bogus=1"], "quotas") == 1
+    assert "bogus" in capsys.readouterr().err
+    assert orgs_main(["set", "--org", "acme", "max_lora_rank=none"], "quotas") == 0
+    assert capsys.readouterr().out.split() == ["max_training_clients=2"]

@@ -1,7 +1,8 @@
 """Alembic migrations vs. gateway/tables.py: upgrade from empty, no autogenerate drift, downgrade
 to base and back, idempotent upgrades, any cwd, and the repo-root ``alembic`` CLI.
 
-Set ``TWINKLE_TEST_POSTGRES_URL`` to also run the round trip on a real (empty) Postgres database.
+Every round trip also runs on a real Postgres server (the ``postgres_url`` fixture), each test in a
+fresh database.
 """
 
 from __future__ import annotations
@@ -28,7 +29,34 @@ from gateway.db import (
     upgrade_to_head,
 )
 
-TABLES = {"users", "api_keys", "sessions", "training_runs", "checkpoints", "sampling_sessions"}
+TABLES = {
+    "users",
+    "api_keys",
+    "sessions",
+    "training_runs",
+    "checkpoints",
+    "sampling_sessions",
+    # 0002_accounts
+    "organizations",
+    "quota_limits",
+    "usage_buckets",
+    "audit_events",
+}
+HEAD = "0002_accounts"
+
+
+def fresh_postgres_db(server_url: str) -> str:
+    """A new empty database on the test Postgres server; returns its URL."""
+    import uuid
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    finally:
+        admin.dispose()
+    return server_url.rsplit("/", 1)[0] + "/" + name
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -36,11 +64,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'mig.db'}"
         return
-    url = os.environ.get("TWINKLE_TEST_POSTGRES_URL")
-    if not url:
-        pytest.skip("TWINKLE_TEST_POSTGRES_URL not set")
-    yield url
-    _downgrade(url, "base")
+    yield fresh_postgres_db(request.getfixturevalue("postgres_url"))
 
 
 def _drift(url: str) -> list:
@@ -77,7 +101,7 @@ def test_upgrade_from_empty_reaches_head_with_every_table(db_url: str) -> None:
     upgrade_to_head(db_url)
     engine = make_engine(db_url)
     try:
-        assert current_revision(engine) == head_revision() == "0001"
+        assert current_revision(engine) == head_revision() == HEAD
     finally:
         engine.dispose()
     assert _tables(db_url) == TABLES | {"alembic_version"}
@@ -195,3 +219,30 @@ def test_in_memory_engine_can_be_migrated_and_used() -> None:
             assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
     finally:
         engine.dispose()
+
+
+def test_accounts_migration_moves_existing_users_into_default_org(db_url: str) -> None:
+    """0001 → 0002_accounts on a database with users: they join organization "default"; the
+    downgrade back to 0001 keeps them."""
+    engine = make_engine(db_url, foreign_keys=False)
+    try:
+        with engine.connect() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "0001")
+            conn.exec_driver_sql(
+                "INSERT INTO users (name, is_admin, created_at) VALUES ('old', false, '2025-01-01')"
+            )
+            conn.commit()
+            command.upgrade(cfg, HEAD)
+            conn.commit()
+            row = conn.exec_driver_sql(
+                "SELECT o.name FROM users u JOIN organizations o ON o.id = u.org_id"
+            ).all()
+            assert [r[0] for r in row] == ["default"]
+            command.downgrade(cfg, "0001")
+            conn.commit()
+            assert conn.exec_driver_sql("SELECT count(*) FROM users").scalar() == 1
+    finally:
+        engine.dispose()
+    assert "organizations" not in _tables(db_url)

@@ -398,23 +398,46 @@ def test_bad_completion_parameters_are_400_naming_the_field(env, body, field):
 # ------------------------------------------------------------------------ concurrency limit
 
 
-def test_limiter_unit():
-    lim = SamplingLimiter(2)
-    a, b = lim.acquire(1), lim.acquire(1)
-    with pytest.raises(RateLimitedError) as ei:
-        lim.acquire(1)
-    assert ei.value.headers()["retry-after"] == "1"
-    other = lim.acquire(2)  # per user
-    a.release()
-    a.release()  # idempotent
-    assert lim.in_flight(1) == 1
-    with lim.acquire(1):
-        assert lim.in_flight(1) == 2
-    b.release()
-    other.release()
-    assert lim.in_flight(1) == 0 and lim.in_flight(2) == 0
-    unlimited = SamplingLimiter(0)
-    assert len([unlimited.acquire(1) for _ in range(100)]) == 100
+def test_limiter_unit(tmp_path):
+    """The limiter on the quota service (in-process store): per user, idempotent release."""
+    from gateway.auth import Principal
+    from gateway.quotas import MemoryQuotaStore, Quotas
+
+    url = f"sqlite:///{tmp_path / 'lim.db'}"
+    upgrade_to_head(url)
+    db = make_engine(url)
+    quotas = Quotas(MemoryQuotaStore(), db, default_user_quotas={"max_concurrent_samples": 2})
+    lim = SamplingLimiter(quotas)
+    u1 = Principal(user_id=1, user_name="u1", scope="user", key_id=1)
+    u2 = Principal(user_id=2, user_name="u2", scope="user", key_id=2)
+
+    async def main():
+        a, b = await lim.acquire(u1), await lim.acquire(u1)
+        with pytest.raises(RateLimitedError) as ei:
+            await lim.acquire(u1)
+        assert ei.value.headers()["retry-after"] == "1"
+        other = await lim.acquire(u2)  # per user
+        await a.release()
+        await a.release()  # idempotent
+        assert len(await quotas.store.gauge("user:1:samples")) == 1
+        async with lim.acquire(u1):
+            assert len(await quotas.store.gauge("user:1:samples")) == 2
+        await b.release()
+        await other.release()
+        assert (
+            len(await quotas.store.gauge("user:1:samples")) == 0
+            and len(await quotas.store.gauge("user:2:samples")) == 0
+        )
+        unlimited = SamplingLimiter(Quotas(MemoryQuotaStore(), db, default_user_quotas={}))
+        assert len([await unlimited.acquire(u1) for _ in range(100)]) == 100
+
+    asyncio.run(main())
+    db.dispose()
+
+
+def _held(quotas, user_id: int) -> int:
+    """Sampling slots a user holds in the (in-process) quota store."""
+    return len(asyncio.run(quotas.store.gauge(f"user:{user_id}:samples")))
 
 
 def _limited_headers(env, user="alice") -> dict:
@@ -473,8 +496,7 @@ def test_overlapping_requests_over_the_limit_get_429(env):
         eng.gate.set()
         t.join(30)
     assert first["r"].status_code == 200, first["r"].text
-    limiter = env.limited_app.state.sampling_limiter
-    assert limiter.in_flight(env.uids["alice"]) == 0
+    assert _held(env.limited_app.state.quotas, env.uids["alice"]) == 0
     r = client.post(
         "/v1/chat/completions",
         headers=_limited_headers(env),
@@ -498,8 +520,8 @@ def test_asample_holds_its_slot_until_the_future_finishes(env):
         fut = client.post("/api/v1/asample", headers=h, json=body)
         assert fut.status_code == 200, fut.text
         assert eng.entered.acquire(timeout=30)
-        limiter = env.limited_app.state.sampling_limiter
-        assert limiter.in_flight(env.uids["alice"]) == 1
+        quotas = env.limited_app.state.quotas
+        assert _held(quotas, env.uids["alice"]) == 1
         r = client.post("/v1/completions", headers=h, json={"model": BASE, "prompt": "hi"})
         assert r.status_code == 429
         eng.gate.set()
@@ -508,9 +530,9 @@ def test_asample_holds_its_slot_until_the_future_finishes(env):
     finally:
         eng.gate.set()
     deadline = time.monotonic() + 10
-    while limiter.in_flight(env.uids["alice"]) and time.monotonic() < deadline:
+    while _held(quotas, env.uids["alice"]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert limiter.in_flight(env.uids["alice"]) == 0
+    assert _held(quotas, env.uids["alice"]) == 0
 
 
 # ------------------------------------------------------------------------- response helpers

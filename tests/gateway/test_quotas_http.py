@@ -1,0 +1,208 @@
+"""Quotas through the real gateway (in-process engine on the tiny model, real SQLite, and a real
+redis-server shared by two gateway apps standing in for two replicas): 50 concurrent create_model
+calls against a cap of 3, a tokens-per-minute limit under 8 concurrent clients, 403 bodies that
+name the quota, checkpoint caps, LoRA rank caps, and the replica/Redis config rule."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.config import ServerConfig
+from engine.errors import ConfigError
+from tests.gateway.accounts_env import (
+    build_engines,
+    create_model,
+    fwdbwd,
+    make_app,
+    model,
+    new_key,
+    session,
+    set_quota,
+    wait,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    data = Path(tmp_path_factory.mktemp("engine-data"))
+    build_engines(data, 1)  # builds the tiny model once for the module
+    return data
+
+
+@pytest.fixture(params=["memory", "redis"])
+def replicas(request, tmp_path, model_dir):
+    """(db_url, [TestClient, ...]): one app in process, or two apps sharing one Redis. Engines
+    are per test: the Trainer's scheduler belongs to the event loop of the app that drives it."""
+    db_url = f"sqlite:///{tmp_path / 'twinkle.db'}"
+    gateway: dict = {}
+    n = 1
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_url")
+        import redis
+
+        redis.Redis.from_url(url).flushdb()
+        gateway = {"redis_url": url, "num_replicas": 2}
+        n = 2
+    engines = build_engines(model_dir, n)
+    with ExitStack() as stack:
+        clients = [
+            stack.enter_context(TestClient(make_app(tmp_path, db_url, engines[i], **gateway)))
+            for i in range(n)
+        ]
+        yield db_url, clients
+
+
+def test_fifty_concurrent_create_model_calls_against_a_cap_of_three(replicas) -> None:
+    db_url, clients = replicas
+    key = new_key(db_url, "alice")
+    set_quota(db_url, "org", "acme", "max_training_clients", 3)
+    sid = session(clients[0], key)
+    with ThreadPoolExecutor(50) as pool:
+        results = list(
+            pool.map(lambda i: create_model(clients[i % len(clients)], key, sid, i), range(50))
+        )
+    ok = [(i, r) for i, r in enumerate(results) if r.status_code == 200]
+    denied = [r for r in results if r.status_code != 200]
+    assert len(ok) == 3, [r.text for _, r in ok]
+    assert {r.status_code for r in denied} == {403}
+    body = denied[0].json()
+    assert body["error"]["code"] == "quota_exceeded"
+    assert body["quota"] == {"name": "max_training_clients", "limit": 3, "current": 3}
+    assert "max_training_clients" in body["detail"] and "limit 3" in body["detail"]
+    assert denied[0].headers["x-should-retry"] == "false"
+    for i, r in ok:  # the three that fit really were created (on the replica that took them)
+        assert wait(clients[i % len(clients)], key, r.json())["model_id"] == r.json()["model_id"]
+    # another organization is not affected; finishing the session frees the slots
+    other = new_key(db_url, "zed", org="other")
+    model(clients[-1], other, session(clients[-1], other))
+    r = clients[0].post(f"/api/v1/sessions/{sid}/finish", json={}, headers={"X-API-Key": key})
+    assert r.status_code == 200
+    sid2 = session(clients[-1], key)
+    assert [create_model(clients[-1], key, sid2, i).status_code for i in range(4)] == [
+        200,
+        200,
+        200,
+        403,
+    ]
+
+
+def test_tokens_per_minute_holds_within_5_percent_under_8_concurrent_clients(replicas) -> None:
+    db_url, clients = replicas
+    key = new_key(db_url, "alice")
+    limit, chunk = 300, 10
+    set_quota(db_url, "user", "alice", "train_tokens_per_minute", limit)  # a per-user override
+    sid = session(clients[0], key)
+    models = [model(clients[0], key, sid, i) for i in range(8)]
+
+    last: dict[int, dict] = {}
+
+    def client(i: int) -> tuple[int, list]:
+        c, admitted, seq = clients[i % len(clients)], 0, 1
+        while True:
+            r = fwdbwd(c, key, models[i], seq, chunk)
+            if r.status_code != 200:
+                return admitted, [r]
+            last[i] = r.json()
+            admitted += chunk
+            seq += 1
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(client, range(8)))
+    total = sum(a for a, _ in results)
+    assert 0.95 * limit <= total <= limit, total
+    for _, (r,) in results:
+        assert r.status_code == 429, r.text
+        assert 1 <= int(r.headers["retry-after"]) <= 61
+        assert "train_tokens_per_minute" in r.json()["detail"]
+    # a request that can never fit is a hard error, failed in seq order (a 429 would be retried
+    # by the SDK for minutes): the future carries the 403 message
+    big = fwdbwd(clients[0], key, models[0], results[0][0] // chunk + 1, limit + 1)
+    assert big.status_code == 200, big.text
+    res = wait(clients[0], key, big.json())
+    assert res["category"] == "user" and "train_tokens_per_minute" in res["error"]
+    assert f"limit {limit}" in res["error"]
+    for i, fut in last.items():  # drain the engine before teardown (futures run in order)
+        wait(clients[i % len(clients)], key, fut)
+
+
+def test_lora_rank_and_checkpoint_caps(replicas, tmp_path) -> None:
+    db_url, clients = replicas
+    c = clients[-1]
+    key = new_key(db_url, "alice")
+    set_quota(db_url, "org", "acme", "max_lora_rank", 8)
+    set_quota(db_url, "user", "alice", "max_checkpoints", 1)
+    sid = session(c, key)
+    r = create_model(c, key, sid, 0, rank=16)
+    assert r.status_code == 403
+    assert r.json()["quota"] == {"name": "max_lora_rank", "limit": 8, "current": 16}
+    mid = model(c, key, sid, 1, rank=8)
+    h = {"X-API-Key": key}
+
+    def save(seq: int, name: str) -> dict:
+        r = c.post(
+            "/api/v1/save_weights", headers=h, json={"model_id": mid, "seq_id": seq, "path": name}
+        )
+        assert r.status_code == 200, r.text
+        return wait(c, key, r.json())
+
+    assert save(1, "a")["path"].endswith("/weights/a")
+    over = save(2, "b")  # the cap fails this seq_id in order, as a user error
+    assert over["category"] == "user" and "max_checkpoints" in over["error"]
+    assert "limit 1" in over["error"]
+    r = c.post(
+        "/api/v1/save_weights",
+        headers=h,
+        json={"model_id": mid, "seq_id": 3, "path": "a", "overwrite": True},
+    )
+    assert "path" in wait(c, key, r.json())  # overwriting a kept checkpoint fits its slot
+    d = c.delete(f"/api/v1/training_runs/{mid}/checkpoints/weights/a", headers=h)
+    assert d.status_code == 200, d.text
+    assert save(4, "b")["path"].endswith("/weights/b")
+
+
+def test_more_than_one_gateway_replica_needs_redis() -> None:
+    with pytest.raises(ConfigError) as ei:
+        ServerConfig.from_dict({"gateway": {"num_replicas": 2}})
+    assert "redis_url" in str(ei.value)
+    ok = ServerConfig.from_dict({"gateway": {"num_replicas": 2, "redis_url": "redis://h:6379/0"}})
+    assert ok.gateway.num_replicas == 2
+
+
+def test_sample_token_rate_covers_tinker_and_openai_sampling(replicas) -> None:
+    db_url, clients = replicas
+    c = clients[0]
+    key = new_key(db_url, "alice")
+    set_quota(db_url, "user", "alice", "sample_tokens_per_minute", 40)
+    h = {"X-API-Key": key}
+    body = {
+        "base_model": "twinkle/tiny-chat",
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8]}]},
+        "sampling_params": {"max_tokens": 6, "temperature": 0},
+    }
+    r = c.post("/api/v1/asample", headers=h, json=body)  # charges 4 + 6, refunds the unused
+    assert r.status_code == 200, r.text
+    wait(c, key, r.json())
+    statuses = []
+    for _ in range(12):
+        r = c.post(
+            "/v1/completions",
+            headers=h,
+            json={"model": "twinkle/tiny-chat", "prompt": [5, 6, 7, 8], "max_tokens": 6},
+        )
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            break
+    assert statuses[0] == 200 and statuses[-1] == 429, statuses
+    assert "sample_tokens_per_minute" in r.json()["detail"] and int(r.headers["retry-after"]) >= 1
+    r = c.post("/api/v1/asample", headers=h, json=body)
+    assert r.status_code == 429
+    # larger than the limit itself: 403, never retried
+    big = {**body, "sampling_params": {"max_tokens": 100}}
+    r = c.post("/api/v1/asample", headers=h, json=big)
+    assert r.status_code == 403 and r.json()["quota"]["name"] == "sample_tokens_per_minute"
