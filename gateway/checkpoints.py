@@ -85,7 +85,17 @@ def readable_checkpoint(db: Session, user_id: int, path: str, field: str = "path
     return row
 
 
+#: key in a DB session's ``info`` of a callback ``(user_id, tinker_path)`` run after a checkpoint
+#: is deleted: the gateway sets it on every request's session (gateway/deps.py) and the sweep's,
+#: so the checkpoint quotas are given back whatever deleted it (a user, TTL expiry, the sweep)
+CHECKPOINT_DELETED = "twinkle.checkpoint_deleted"
+
+
 def delete_checkpoint(db: Session, row: CheckpointRow) -> None:
+    user_id, path = row.user_id, row.tinker_path
     shutil.rmtree(row.storage_dir, ignore_errors=True)
     db.delete(row)
     db.commit()
+    hook = db.info.get(CHECKPOINT_DELETED)
+    if hook is not None:
+        hook(user_id, path)

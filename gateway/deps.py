@@ -14,6 +14,7 @@ from sqlmodel import Session
 
 from engine.config import ServerConfig
 from gateway.auth import Principal, PrincipalDep
+from gateway.checkpoints import CHECKPOINT_DELETED
 from gateway.engine_client import EngineClient
 from gateway.errors import GoneError, InvalidRequestError, NotFoundError
 from gateway.futures import FutureStore
@@ -23,6 +24,9 @@ from gateway.tables import SamplingSessionRow, SessionRow, TrainingRunRow
 
 def get_db(request: Request) -> Iterator[Session]:
     with Session(request.app.state.db_engine) as session:
+        hook = getattr(request.app.state, "checkpoint_deleted", None)
+        if hook is not None:
+            session.info[CHECKPOINT_DELETED] = hook
         yield session
 
 

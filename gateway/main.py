@@ -63,8 +63,19 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         app.state.jwt = build_jwt(settings, config)
         app.state.usage = UsageLedger(app.state.db_engine)
         loop = asyncio.get_running_loop()
+        app.state.checkpoint_deleted = _checkpoint_releaser(
+            app.state.db_engine, app.state.quotas, loop
+        )
         background = [
-            loop.create_task(sweep_forever(app.state.db_engine, engine_client, config)),
+            loop.create_task(
+                sweep_forever(
+                    app.state.db_engine,
+                    engine_client,
+                    config,
+                    app.state.quotas,
+                    app.state.checkpoint_deleted,
+                )
+            ),
             loop.create_task(app.state.usage.run_storage_accrual()),
         ]
         try:
@@ -99,3 +110,27 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     for router in admin_api.routers():
         app.include_router(router)
     return app
+
+
+def _checkpoint_releaser(db_engine, quotas, loop: asyncio.AbstractEventLoop):
+    """The callback that gives a deleted checkpoint's count and bytes back to its owner's (and
+    org's) quotas (see gateway/checkpoints.CHECKPOINT_DELETED). Deletion happens in sync code, so
+    the release runs as a task; ``pending`` keeps the tasks referenced until they finish."""
+    pending: set[asyncio.Task] = set()
+
+    async def release(user_id: int, path: str) -> None:
+        from sqlmodel import Session
+
+        from gateway.tables import UserRow
+
+        with Session(db_engine) as s:
+            user = s.get(UserRow, user_id)
+            org_id = user.org_id if user is not None else None
+        await quotas.release_checkpoint(user_id, org_id, path)
+
+    def hook(user_id: int, path: str) -> None:
+        task = loop.create_task(release(user_id, path))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    return hook

@@ -17,9 +17,9 @@ from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
 from engine.config import ServerConfig
-from gateway.checkpoints import delete_checkpoint
+from gateway.checkpoints import CHECKPOINT_DELETED, delete_checkpoint
 from gateway.engine_client import EngineClient
-from gateway.tables import CheckpointRow, SessionRow, TrainingRunRow, utcnow
+from gateway.tables import CheckpointRow, SessionRow, TrainingRunRow, UserRow, utcnow
 
 log = logging.getLogger(__name__)
 EXPIRED = "expired"
@@ -34,20 +34,26 @@ def expired_session_message(session_id: str) -> str:
     )
 
 
-def purge_expired_checkpoints(db: Session) -> int:
+def purge_expired_checkpoints(db: Session) -> list[tuple[int, str]]:
+    """Delete expired checkpoints (files and rows); their (user_id, tinker_path)."""
     now = utcnow()
     rows = db.exec(
         select(CheckpointRow).where(
             col(CheckpointRow.expires_at).is_not(None), col(CheckpointRow.expires_at) <= now
         )
     ).all()
+    deleted = []
     for row in rows:
+        deleted.append((row.user_id, row.tinker_path))
         delete_checkpoint(db, row)
-    return len(rows)
+    return deleted
 
 
-async def expire_sessions(db_engine: Engine, engine: EngineClient, timeout_s: float) -> list[str]:
-    """Expire silent sessions and release their adapters; the expired session ids."""
+async def expire_sessions(
+    db_engine: Engine, engine: EngineClient, timeout_s: float, quotas=None
+) -> list[str]:
+    """Expire silent sessions and release their adapters (and their training-client quota
+    slots); the expired session ids."""
     cutoff = utcnow() - timedelta(seconds=timeout_s)
     with Session(db_engine) as db:
         stale = db.exec(
@@ -56,16 +62,20 @@ async def expire_sessions(db_engine: Engine, engine: EngineClient, timeout_s: fl
             )
         ).all()
         runs: list[tuple[str, str]] = []
+        slots: list[tuple[int, int | None, list[str]]] = []
         for s in stale:
             s.finished_at = utcnow()
             s.finish_reason = EXPIRED
             db.add(s)
-            runs += [
-                (r.base_model, r.id)
-                for r in db.exec(select(TrainingRunRow).where(TrainingRunRow.session_id == s.id))
-            ]
+            mine = list(db.exec(select(TrainingRunRow).where(TrainingRunRow.session_id == s.id)))
+            runs += [(r.base_model, r.id) for r in mine]
+            user = db.get(UserRow, s.user_id)
+            slots.append((s.user_id, user.org_id if user else None, [r.id for r in mine]))
         db.commit()
         ids = [s.id for s in stale]
+    if quotas is not None:
+        for user_id, org_id, run_ids in slots:
+            await quotas.release_training_clients(user_id, org_id, run_ids)
     for base, run_id in runs:
         if not engine.serves(base):
             continue
@@ -78,12 +88,20 @@ async def expire_sessions(db_engine: Engine, engine: EngineClient, timeout_s: fl
     return ids
 
 
-async def sweep_forever(db_engine: Engine, engine: EngineClient, config: ServerConfig) -> None:
+async def sweep_forever(
+    db_engine: Engine,
+    engine: EngineClient,
+    config: ServerConfig,
+    quotas=None,
+    checkpoint_deleted=None,
+) -> None:
     while True:
         await asyncio.sleep(config.session_sweep_seconds)
         try:
-            await expire_sessions(db_engine, engine, config.session_timeout_seconds)
+            await expire_sessions(db_engine, engine, config.session_timeout_seconds, quotas)
             with Session(db_engine) as db:
+                if checkpoint_deleted is not None:
+                    db.info[CHECKPOINT_DELETED] = checkpoint_deleted
                 purge_expired_checkpoints(db)
         except Exception:  # keep sweeping; one bad pass must not stop expiry for good
             log.exception("expiry sweep failed")

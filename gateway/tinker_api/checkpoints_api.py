@@ -27,6 +27,7 @@ from pydantic import Field
 from gateway.checkpoints import ParsedPath, new_storage_dir, parse_path, readable_checkpoint
 from gateway.deps import DbDep, PrincipalDep, SettingsDep, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.quotas import QuotasDep
 from gateway.tables import CheckpointRow, SessionRow, TrainingRunRow, utcnow
 from gateway.tinker_api.runs import checkpoint_json
 from gateway.tinker_api.schemas import _Req
@@ -130,7 +131,11 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 @router.post("/copy_weights")
 async def copy_weights(
-    req: CopyWeightsRequest, who: PrincipalDep, db: DbDep, settings: SettingsDep
+    req: CopyWeightsRequest,
+    who: PrincipalDep,
+    db: DbDep,
+    settings: SettingsDep,
+    quotas: QuotasDep,
 ) -> dict:
     src = readable_checkpoint(db, who.user_id, req.source_path, "source_path")
     if src.ephemeral:
@@ -178,6 +183,8 @@ async def copy_weights(
     )
     db.flush()  # the run row first: the checkpoint row's foreign key points at it
     target = ParsedPath(run_id, src.kind, src.name)
+    # a copy is a checkpoint of the caller's: it counts toward their count and bytes caps (403)
+    await quotas.reserve_checkpoint(who, target.tinker_path, int(src.size_bytes or 0), db)
     directory = new_storage_dir(settings.data_dir, who.user_id, target)
     _link_tree(Path(src.storage_dir), directory)
     db.add(
@@ -196,4 +203,5 @@ async def copy_weights(
         )
     )
     db.commit()
+    await quotas.commit_checkpoint(who.user_id, who.org_id, target.tinker_path, src.size_bytes)
     return {"tinker_path": target.tinker_path}

@@ -30,13 +30,13 @@ from gateway.quotas import QuotasDep
 from gateway.tables import TrainingRunRow, utcnow
 from gateway.tinker_api import compat, jobs
 from gateway.tinker_api.proto_codec import decode_forward_backward
-from gateway.usage import UsageLedger
 from gateway.tinker_api.schemas import (
     CreateModelRequest,
     GetInfoRequest,
     LoadWeightsRequest,
     OptimStepRequest,
 )
+from gateway.usage import UsageLedger
 
 router = APIRouter(prefix="/api/v1")
 _MAX_BODY = 256 * 1024 * 1024  # 256 MiB decompressed: far above the SDK's 5 MB chunks

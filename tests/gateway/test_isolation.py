@@ -134,7 +134,12 @@ def _cases(w) -> list[tuple[str, str, str, dict | None]]:
             {"model_id": mid, "seq_id": w["next_seq"], "path": path},
         ),
         ("run get", "GET", f"/api/v1/training_runs/{mid}", None),
-        ("run get, access_scope=accessible", "GET", f"/api/v1/training_runs/{mid}?access_scope=accessible", None),
+        (
+            "run get, access_scope=accessible",
+            "GET",
+            f"/api/v1/training_runs/{mid}?access_scope=accessible",
+            None,
+        ),
         ("run checkpoints", "GET", f"/api/v1/training_runs/{mid}/checkpoints", None),
         ("checkpoint delete", "DELETE", run_ckpt, None),
         (

@@ -5,6 +5,8 @@ name the quota, checkpoint caps, LoRA rank caps, and the replica/Redis config ru
 
 from __future__ import annotations
 
+import time
+
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -163,6 +165,20 @@ def test_lora_rank_and_checkpoint_caps(replicas, tmp_path) -> None:
     d = c.delete(f"/api/v1/training_runs/{mid}/checkpoints/weights/a", headers=h)
     assert d.status_code == 200, d.text
     assert save(4, "b")["path"].endswith("/weights/b")
+    # a checkpoint that expires (TTL) gives its slot back too, whoever notices the expiry
+    t = c.put(
+        f"/api/v1/training_runs/{mid}/checkpoints/weights/b/ttl",
+        headers=h,
+        json={"ttl_seconds": 1},
+    )
+    assert t.status_code == 200, t.text
+    assert "max_checkpoints" in save(5, "c")["error"]
+    time.sleep(1.2)
+    listed = c.get(f"/api/v1/training_runs/{mid}/checkpoints", headers=h).json()["checkpoints"]
+    assert listed == []  # the listing purged the expired checkpoint
+    time.sleep(0.3)  # its quota release runs as a task on the app's loop right after deletion
+    got = save(6, "c")
+    assert got.get("path", "").endswith("/weights/c"), got
 
 
 def test_more_than_one_gateway_replica_needs_redis() -> None:
