@@ -99,6 +99,12 @@ class GatewayConfig(_Strict):
         description="Per-user quota limits applied when a user has no "
         "override (names as in the admin API, e.g. max_training_clients)",
     )
+    metrics_enabled: bool = Field(
+        True, description="Serve Prometheus metrics at GET /metrics (off: no endpoint, 404)"
+    )
+    metrics_require_admin: bool = Field(
+        False, description="GET /metrics needs an admin-scope API key (default: no key needed)"
+    )
 
     @model_validator(mode="after")
     def _redis_for_replicas(self) -> GatewayConfig:

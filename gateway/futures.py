@@ -144,6 +144,11 @@ class FutureStore:
         self.job_runner: Callable[[list], Callable[[], Awaitable[Result]]] | None = None
         self.takeovers = 0
 
+    def pending_count(self) -> int:
+        """Futures this replica holds that have not finished (the ``twinkle_futures_pending``
+        gauge; other replicas' futures are counted by their own /metrics)."""
+        return sum(1 for r in self._futures.values() if not r.done.is_set())
+
     async def start(self) -> None:
         """Start holding this replica's lease (shared mode only)."""
         if self._shared and self._lease_task is None:

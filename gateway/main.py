@@ -23,6 +23,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import register_exception_handlers
 from gateway.futures import FutureStore
 from gateway.kv import make_kv
+from gateway.metrics import GatewayMetrics, MetricsMiddleware, metrics_router
 from gateway.middleware import GatewayMiddleware
 from gateway.settings import Settings
 from gateway.sweeper import sweep_forever
@@ -60,6 +61,8 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         app.state.futures.job_runner = lambda job: jobs.runner(engine_client, job)
         await app.state.futures.start()
         app.state.quotas = build_quotas(settings, config, app.state.db_engine, redis_url)
+        if app.state.metrics is not None:
+            app.state.quotas.on_denial = app.state.metrics.quota_denied
         app.state.jwt = build_jwt(settings, config)
         app.state.usage = UsageLedger(app.state.db_engine)
         loop = asyncio.get_running_loop()
@@ -101,6 +104,14 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         deprecated_below=config.sdk_deprecated_below,
         unsupported_below=config.sdk_unsupported_below,
     )
+    # Metrics are added last, so outermost: they see the status of replays and rendered errors.
+    app.state.metrics = None
+    if config.gateway.metrics_enabled:
+        app.state.metrics = GatewayMetrics(
+            lambda: app.state.futures.pending_count() if hasattr(app.state, "futures") else 0
+        )
+        app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+        app.include_router(metrics_router(config.gateway.metrics_require_admin))
     # exports / checkpoints_api before runs: their .../{checkpoint_id:path}/publish|ttl|... routes
     # must be tried before runs' DELETE .../{checkpoint_id:path}.
     for module in (sessions, sessions_rest, training, saves, exports, sampling, futures, compat):

@@ -64,6 +64,13 @@ class Quotas:
         self._db = db_engine
         self._defaults = dict(default_user_quotas or {})
         self._windows = rate_windows or WINDOWS
+        #: called with (quota name, level) on every denial (the app's metrics counter). Counted
+        #: here, not in the HTTP error handler, because some denials become failed futures.
+        self.on_denial: Callable[[str, str], None] | None = None
+
+    def _denied(self, name: str, level: str) -> None:
+        if self.on_denial is not None:
+            self.on_denial(name, level)
 
     # -- limits ------------------------------------------------------------------------------
     def limits(self, who: Principal, db: Session | None = None) -> Limits:
@@ -83,6 +90,7 @@ class Quotas:
         return out
 
     def _exceeded(self, name: str, level: str, who: Principal, limit: int, current: int, what: str):
+        self._denied(name, level)
         return QuotaExceededError(
             f"quota {name} exceeded for {_label(level, who)}: limit {limit}, current use "
             f"{current}{what}",
@@ -175,6 +183,7 @@ class Quotas:
 
     def _raise_gauge(self, qname: str, level: str, who: Principal, limit: int, d: Denial) -> None:
         if qname == "max_concurrent_samples":
+            self._denied(qname, level)
             raise RateLimitedError(
                 f"too many concurrent sampling requests for {_label(level, who)}: {d.current} in "
                 f"flight, the limit is {limit} (quota max_concurrent_samples); retry later",
@@ -269,6 +278,7 @@ class Quotas:
         denial = await self.store.charge(checks, amount)
         if denial is not None:
             level, qname, limit = meta[denial.index]
+            self._denied(qname, level)
             raise RateLimitedError(
                 f"rate limit {qname} reached for {_label(level, who)}: limit {limit}, "
                 f"{denial.current} used in the window, this request needs {amount}; retry later",

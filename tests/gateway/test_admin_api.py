@@ -1,7 +1,7 @@
 """The admin REST API and the account rules through the real gateway (real SQLite and a real
 Postgres server, in-process engine): orgs / users / keys / quotas CRUD with audit events, disable and revoke effective on the
-next request, expiry, the usage ledger, engine status, and a grep of every response, log line and
-DB value for the raw keys."""
+next request, expiry, the usage ledger, engine status, and a grep of every response, log line,
+DB value and the /metrics exposition for the raw keys."""
 
 from __future__ import annotations
 
@@ -233,6 +233,9 @@ def test_raw_keys_never_appear_in_responses_logs_or_the_database(
     keys = c.get("/api/v1/admin/keys", params={"user_id": frank["id"]}, headers=h).json()["keys"]
     call("POST", f"/api/v1/admin/keys/{keys[0]['id']}/revoke", headers=h)
     call("POST", "/api/v1/create_session", json={}, headers=hk)  # revoked
+    metrics = c.get("/metrics").text  # labels are route templates: never a key
+    assert 'route="/api/v1/create_session",status="401"' in metrics
+    texts.append(metrics)
     eng = make_engine(env["db_url"])
     try:
         with eng.connect() as conn:

@@ -1,0 +1,111 @@
+"""GET /metrics on the real gateway (in-process engine on the tiny model, real SQLite): requests are
+labelled by route template and status (never the raw path), quota denials by quota and level, no
+raw key ever appears in the exposition; the endpoint can be switched off or put behind an admin
+key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.accounts_env import build_engines, create_model, make_app, new_key, set_quota
+
+
+def _client(tmp_path_factory, **gateway: object):
+    data = Path(tmp_path_factory.mktemp("metrics"))
+    db_url = f"sqlite:///{data / 'twinkle.db'}"
+    return db_url, TestClient(make_app(data, db_url, build_engines(data, 1)[0], **gateway))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    db_url, client = _client(tmp_path_factory)
+    with client as c:
+        yield db_url, c
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, frozenset(labels.items())): value} of an exposition (parsed, not grepped,
+    so the test also proves the output is valid Prometheus text)."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def _count(samples, method: str, route: str, status: int) -> float:
+    labels = frozenset({"method": method, "route": route, "status": str(status)}.items())
+    return samples.get(("twinkle_http_requests_total", labels), 0.0)
+
+
+def test_requests_are_labelled_by_route_template_and_status_and_keys_never_appear(env) -> None:
+    db_url, c = env
+    key = new_key(db_url, "mia", org="metrics-org")
+    set_quota(db_url, "org", "metrics-org", "max_lora_rank", 8)
+    run_id = "run-secret-id-1234"
+
+    assert c.post("/api/v1/create_session", json={}, headers={"X-API-Key": key}).status_code == 200
+    bearer = {"Authorization": f"Bearer {key}"}
+    r = c.post("/api/v1/create_session", json={}, headers=bearer)
+    assert r.status_code == 200
+    sid = r.json()["session_id"]
+    r = c.get(f"/api/v1/training_runs/{run_id}", headers=bearer)
+    assert r.status_code == 404, r.text
+    assert c.get(f"/no/such/path/{key}").status_code == 404
+    r = c.post("/api/v1/create_session", json={}, headers={"X-API-Key": key + "x"})
+    assert r.status_code == 401
+    r = create_model(c, key, sid, 0, rank=16)  # over the org's max_lora_rank
+    assert r.status_code == 403 and r.json()["quota"]["name"] == "max_lora_rank"
+
+    r = c.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    samples = _samples(text)
+    assert _count(samples, "POST", "/api/v1/create_session", 200) == 2
+    assert _count(samples, "POST", "/api/v1/create_session", 401) == 1
+    assert _count(samples, "GET", "/api/v1/training_runs/{run_id}", 404) == 1
+    assert _count(samples, "GET", "unmatched", 404) == 1
+    assert _count(samples, "POST", "/api/v1/create_model", 403) == 1
+    latency = frozenset({"method": "POST", "route": "/api/v1/create_session"}.items())
+    assert samples[("twinkle_http_request_seconds_count", latency)] == 3
+    denial = frozenset({"quota": "max_lora_rank", "level": "org"}.items())
+    assert samples[("twinkle_quota_denials_total", denial)] == 1
+    assert ("twinkle_futures_pending", frozenset()) in samples
+    # no raw key, no key body, no raw path id, no user or org name in any label or value
+    for secret in (key, key[4:], key[10:], run_id, "mia", "metrics-org", sid):
+        assert secret not in text
+    routes = {dict(labels).get("route") for (_, labels) in samples} - {None}
+    assert all(r == "unmatched" or r.startswith("/") for r in routes)
+    assert not any(re.search(r"\{\w+:\w+\}", r) for r in routes)  # convertors stripped
+
+
+def test_odd_methods_collapse_into_one_label(env) -> None:
+    _, c = env
+    c.request("BREW", "/api/v1/create_session")
+    samples = _samples(c.get("/metrics").text)
+    methods = {dict(labels).get("method") for (_, labels) in samples} - {None}
+    assert "BREW" not in methods and "other" in methods
+
+
+def test_metrics_can_be_switched_off(tmp_path_factory) -> None:
+    _, client = _client(tmp_path_factory, metrics_enabled=False)
+    with client as c:
+        assert c.get("/metrics").status_code == 404
+
+
+def test_metrics_can_require_an_admin_key(tmp_path_factory) -> None:
+    db_url, client = _client(tmp_path_factory, metrics_require_admin=True)
+    with client as c:
+        user = new_key(db_url, "ulla", org="acme")
+        admin = new_key(db_url, "root", org="ops", scope="admin")
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers={"X-API-Key": user}).status_code == 403
+        r = c.get("/metrics", headers={"X-API-Key": admin})
+        assert r.status_code == 200 and "twinkle_http_requests_total" in r.text
+        assert admin not in r.text and user not in r.text
