@@ -65,7 +65,13 @@ class RedisKV:
     def __init__(self, url: str, prefix: str = "twinkle:") -> None:
         import redis.asyncio as aioredis
 
-        self._r = aioredis.from_url(url)
+        # Bounded and blocking, as the quota store's pool (gateway/quotas/store.py): a burst of 50
+        # requests each doing idempotency lookups opened 50 connections at once and, on a loaded
+        # 2-core host, timed out connecting; waiting for one of 32 pooled connections does not.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=32, timeout=30, socket_connect_timeout=30, socket_timeout=30
+        )
+        self._r = aioredis.Redis(connection_pool=pool)
         self._prefix = prefix
 
     async def get(self, key: str) -> bytes | None:
