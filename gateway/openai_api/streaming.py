@@ -145,7 +145,85 @@ def _error_chunk(exc: Exception) -> bytes:
     return R.sse({"error": {"message": str(exc), "type": type(exc).__name__}})
 
 
-async def chat_sse(
+class _Sse:
+    """One SSE response: the chunk envelope (id, object, created, model) and the tail every
+    stream shares (optional usage, ``[DONE]``, then ``finish``)."""
+
+    def __init__(self, rid: str, obj: str, created: int, model: str, include_usage: bool):
+        self.head = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+        }
+        self.include_usage = include_usage
+
+    def chunk(self, choice: dict) -> bytes:
+        body = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return R.sse(body)
+
+    async def run(
+        self,
+        first: list[bytes],
+        events: AsyncIterator[TextEvent | FinishEvent],
+        text: Callable[[TextEvent], bytes],
+        prompt_tokens: int,
+        finish: Callable[[list[R.Choice] | None], Awaitable[None]],
+    ) -> AsyncIterator[bytes]:
+        finished: list[R.Choice] = []
+        complete = False
+        try:
+            for b in first:
+                yield b
+            try:
+                async for ev in events:
+                    if isinstance(ev, TextEvent):
+                        yield text(ev)
+                    else:
+                        finished.append(ev.choice)
+                        yield self.finish_chunk(ev)
+            except EngineError as exc:
+                yield _error_chunk(exc)
+                return
+            if self.include_usage:
+                usage = R.usage(prompt_tokens, finished)
+                yield R.sse({**self.head, "choices": [], "usage": usage})
+            yield R.sse("[DONE]")
+            complete = True
+        finally:
+            # ``finish`` gets the choices only for a stream that ran to the end (usage is
+            # charged for what was generated); a failed or abandoned stream refunds its budget
+            await finish(finished if complete else None)
+
+
+class _ChatSse(_Sse):
+    def finish_chunk(self, ev: FinishEvent) -> bytes:
+        return self.chunk(
+            {
+                "index": ev.index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": ev.choice.finish_reason,
+            }
+        )
+
+
+class _CompletionSse(_Sse):
+    def finish_chunk(self, ev: FinishEvent) -> bytes:
+        return self.chunk(
+            {
+                "index": ev.index,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": ev.choice.finish_reason,
+            }
+        )
+
+
+def chat_sse(
     rid: str,
     model: str,
     created: int,
@@ -158,65 +236,35 @@ async def chat_sse(
 ) -> AsyncIterator[bytes]:
     """chat.completion.chunk events: a role delta per choice, content deltas as text becomes
     final, a finish_reason delta per choice, optional usage, then ``[DONE]``."""
+    sse = _ChatSse(rid, "chat.completion.chunk", created, model, include_usage)
 
-    def chunk(index: int, delta: dict, finish_reason=None, lps=None) -> bytes:
-        body = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": [
-                {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
-            ],
-        }
-        if include_usage:
-            body["usage"] = None
-        return R.sse(body)
+    def text(ev: TextEvent) -> bytes:
+        lps = None
+        if logprobs:
+            content = [
+                R._chat_token_logprob(p, lp) for p, lp in zip(ev.pieces, ev.logprobs, strict=False)
+            ]
+            lps = {"content": content, "refusal": None}
+        delta = {"content": ev.text}
+        return sse.chunk(
+            {"index": ev.index, "delta": delta, "logprobs": lps, "finish_reason": None}
+        )
 
-    finished: list[R.Choice] = []
-    complete = False
-    try:
-        for i in range(n):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        try:
-            async for ev in events:
-                if isinstance(ev, TextEvent):
-                    lps = None
-                    if logprobs:
-                        content = [
-                            R._chat_token_logprob(p, lp)
-                            for p, lp in zip(ev.pieces, ev.logprobs, strict=False)
-                        ]
-                        lps = {"content": content, "refusal": None}
-                    yield chunk(ev.index, {"content": ev.text}, lps=lps)
-                else:
-                    finished.append(ev.choice)
-                    yield chunk(ev.index, {}, finish_reason=ev.choice.finish_reason)
-        except EngineError as exc:
-            yield _error_chunk(exc)
-            return
-        if include_usage:
-            yield R.sse(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "system_fingerprint": None,
-                    "choices": [],
-                    "usage": R.usage(prompt_tokens, finished),
-                }
-            )
-        yield R.sse("[DONE]")
-        complete = True
-    finally:
-        # ``finish`` gets the choices only for a stream that ran to the end (usage is charged
-        # for what was generated); a failed or abandoned stream refunds its budget
-        await finish(finished if complete else None)
+    role = [
+        sse.chunk(
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        )
+        for i in range(n)
+    ]
+    return sse.run(role, events, text, prompt_tokens, finish)
 
 
-async def completion_sse(
+def completion_sse(
     rid: str,
     model: str,
     created: int,
@@ -228,65 +276,26 @@ async def completion_sse(
 ) -> AsyncIterator[bytes]:
     """text_completion stream chunks: text as it becomes final, a finish_reason chunk per choice,
     optional usage, then ``[DONE]``."""
+    sse = _CompletionSse(rid, "text_completion", created, model, include_usage)
+    offsets: dict[int, int] = {}  # characters sent so far per choice, for text_offset
 
-    def chunk(index: int, text: str, finish_reason=None, lps=None) -> bytes:
-        body = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": [
-                {"index": index, "text": text, "logprobs": lps, "finish_reason": finish_reason}
-            ],
-        }
-        if include_usage:
-            body["usage"] = None
-        return R.sse(body)
+    def text(ev: TextEvent) -> bytes:
+        lps = None
+        off = offsets.get(ev.index, 0)
+        if logprobs:
+            starts = []
+            for piece in ev.pieces:
+                starts.append(off)
+                off += len(piece)
+            lps = {
+                "tokens": ev.pieces,
+                "token_logprobs": ev.logprobs,
+                "top_logprobs": None,
+                "text_offset": starts,
+            }
+        offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
+        return sse.chunk(
+            {"index": ev.index, "text": ev.text, "logprobs": lps, "finish_reason": None}
+        )
 
-    finished: list[R.Choice] = []
-    offsets: dict[int, int] = {}
-    complete = False
-    try:
-        try:
-            async for ev in events:
-                if isinstance(ev, TextEvent):
-                    lps = None
-                    if logprobs:
-                        off = offsets.get(ev.index, 0)
-                        starts = []
-                        for p in ev.pieces:
-                            starts.append(off)
-                            off += len(p)
-                        lps = {
-                            "tokens": ev.pieces,
-                            "token_logprobs": ev.logprobs,
-                            "top_logprobs": None,
-                            "text_offset": starts,
-                        }
-                    offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
-                    yield chunk(ev.index, ev.text, lps=lps)
-                else:
-                    finished.append(ev.choice)
-                    yield chunk(ev.index, "", finish_reason=ev.choice.finish_reason)
-        except EngineError as exc:
-            yield _error_chunk(exc)
-            return
-        if include_usage:
-            yield R.sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "system_fingerprint": None,
-                    "choices": [],
-                    "usage": R.usage(prompt_tokens, finished),
-                }
-            )
-        yield R.sse("[DONE]")
-        complete = True
-    finally:
-        # ``finish`` gets the choices only for a stream that ran to the end (usage is charged
-        # for what was generated); a failed or abandoned stream refunds its budget
-        await finish(finished if complete else None)
+    return sse.run([], events, text, prompt_tokens, finish)

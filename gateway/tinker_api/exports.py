@@ -45,7 +45,7 @@ from gateway.quotas import QuotasDep
 from gateway.tables import CheckpointRow, utcnow
 from gateway.tinker_api.saves import _save_future
 from gateway.tinker_api.schemas import _Req
-from gateway.tinker_api.training import _rejected, _touch, future_json
+from gateway.tinker_api.training import _touch, future_json, reject_in_order
 
 router = APIRouter(prefix="/api/v1")
 EXPORT_FILES = ("adapter_model.safetensors", "adapter_config.json")
@@ -110,14 +110,7 @@ async def save_weights_external(
         except InvalidRequestError as exc:
             problem = str(exc)
     if problem is not None:
-        rec = futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
-            kind="save",
-            idem_key=(run.id, req.seq_id),
-            fp=fp,
-            run=_rejected(engine, run, req.seq_id, problem),
-        )
+        rec = reject_in_order(futures, engine, who, run, req.seq_id, problem, kind="save", fp=fp)
         return future_json(rec, run.id)
     rec = await _save_future(
         who=who,

@@ -20,7 +20,7 @@ from gateway.futures import FutureRecord, fingerprint
 from gateway.quotas import QuotasDep
 from gateway.tables import CheckpointRow, SamplingSessionRow, TrainingRunRow, utcnow
 from gateway.tinker_api.schemas import SaveWeightsForSamplerRequest, SaveWeightsRequest
-from gateway.tinker_api.training import _rejected, _touch, future_json
+from gateway.tinker_api.training import _touch, future_json, reject_in_order
 
 router = APIRouter(prefix="/api/v1")
 
@@ -57,19 +57,16 @@ async def _save_future(
         select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path)
     ).first()
     if existing is not None and not overwrite and not ephemeral:
-        return futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
+        return reject_in_order(
+            futures,
+            engine,
+            who,
+            run,
+            seq_id,
+            f"path: checkpoint {parsed.tinker_path} already exists; "
+            "pass overwrite=True to replace it",
             kind="save",
-            idem_key=(run.id, seq_id),
             fp=fp,
-            run=_rejected(
-                engine,
-                run,
-                seq_id,
-                f"path: checkpoint {parsed.tinker_path} already exists; "
-                "pass overwrite=True to replace it",
-            ),
         )
     if not ephemeral:
         last = db.exec(
@@ -80,14 +77,7 @@ async def _save_future(
         try:
             await quotas.reserve_checkpoint(who, parsed.tinker_path, int(last or 0), db)
         except QuotaExceededError as exc:
-            return futures.submit(
-                user_id=who.user_id,
-                extra={"base_model": run.base_model},
-                kind="save",
-                idem_key=(run.id, seq_id),
-                fp=fp,
-                run=_rejected(engine, run, seq_id, str(exc)),
-            )
+            return reject_in_order(futures, engine, who, run, seq_id, str(exc), kind="save", fp=fp)
     directory = new_storage_dir(settings.data_dir, who.user_id, parsed)
     directory.parent.mkdir(parents=True, exist_ok=True)
     expires = None
@@ -183,14 +173,7 @@ async def save_weights(
     try:
         name = validate_name(req.path or "", "path")
     except InvalidRequestError as exc:
-        rec = futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
-            kind="save",
-            idem_key=(run.id, req.seq_id),
-            fp=fp,
-            run=_rejected(engine, run, req.seq_id, str(exc)),
-        )
+        rec = reject_in_order(futures, engine, who, run, req.seq_id, str(exc), kind="save", fp=fp)
         return future_json(rec, run.id)
     rec = await _save_future(
         who=who,
@@ -246,18 +229,15 @@ async def save_weights_for_sampler(
     )
     if req.path is None:
         if req.sampling_session_seq_id is None:
-            rec = futures.submit(
-                user_id=who.user_id,
-                extra={"base_model": run.base_model},
+            rec = reject_in_order(
+                futures,
+                engine,
+                who,
+                run,
+                req.seq_id,
+                "path: give a name, or sampling_session_seq_id for an ephemeral save",
                 kind="save",
-                idem_key=(run.id, req.seq_id),
                 fp=fp,
-                run=_rejected(
-                    engine,
-                    run,
-                    req.seq_id,
-                    "path: give a name, or sampling_session_seq_id for an ephemeral save",
-                ),
             )
             return future_json(rec, run.id)
         sampler_id = f"{run.session_id}:sample:{req.sampling_session_seq_id}"
@@ -275,14 +255,7 @@ async def save_weights_for_sampler(
     try:
         name = validate_name(req.path, "path")
     except InvalidRequestError as exc:
-        rec = futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
-            kind="save",
-            idem_key=(run.id, req.seq_id),
-            fp=fp,
-            run=_rejected(engine, run, req.seq_id, str(exc)),
-        )
+        rec = reject_in_order(futures, engine, who, run, req.seq_id, str(exc), kind="save", fp=fp)
         return future_json(rec, run.id)
     rec = await _save_future(**common, name=name, overwrite=True, ttl_seconds=req.ttl_seconds)
     return future_json(rec, run.id)

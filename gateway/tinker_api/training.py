@@ -60,6 +60,21 @@ def _rejected(engine, run: TrainingRunRow, seq_id: int, message: str):
     return jobs.runner(engine, jobs.skip_job(run.base_model, run.id, seq_id, message))
 
 
+def reject_in_order(
+    futures, engine, who, run: TrainingRunRow, seq_id: int, message: str, *, kind: str, fp
+) -> FutureRecord:
+    """A future for a request the gateway refused: it fails with ``message`` (a user error)
+    once ``seq_id``'s turn has passed, so later requests of the model are not held up."""
+    return futures.submit(
+        user_id=who.user_id,
+        extra={"base_model": run.base_model},
+        kind=kind,
+        idem_key=(run.id, seq_id),
+        fp=fp,
+        run=_rejected(engine, run, seq_id, message),
+    )
+
+
 @router.post("/create_model")
 async def create_model(
     req: CreateModelRequest,
@@ -215,28 +230,14 @@ async def forward_backward(
     _touch(db, run)
     kind = "forward" if inp is not None and inp.forward_only else "forward_backward"
     if error is not None:
-        rec = futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
-            kind=kind,
-            idem_key=(model_id, seq_id),
-            fp=fp,
-            run=_rejected(engine, run, seq_id, error),
-        )
+        rec = reject_in_order(futures, engine, who, run, seq_id, error, kind=kind, fp=fp)
         return future_json(rec, model_id)
 
     n_tokens = sum(len(d.tokens) for d in inp.data)
     try:  # over the rate: 429 + retry-after (the SDK resends this seq_id)
         await quotas.charge_tokens(who, "train", n_tokens, quotas.limits(who, db))
     except QuotaExceededError as exc:  # can never fit: fail this seq_id in order
-        rec = futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
-            kind=kind,
-            idem_key=(model_id, seq_id),
-            fp=fp,
-            run=_rejected(engine, run, seq_id, str(exc)),
-        )
+        rec = reject_in_order(futures, engine, who, run, seq_id, str(exc), kind=kind, fp=fp)
         return future_json(rec, model_id)
     ledger: UsageLedger = request.app.state.usage
     job_run = jobs.runner(engine, jobs.forward_backward_job(run.base_model, model_id, seq_id, body))
@@ -276,15 +277,15 @@ async def optim_step(
         return future_json(prev, run.id)
     _touch(db, run)
     if req.adam_params is None and req.optimizer_params is not None:
-        rec = futures.submit(
-            user_id=who.user_id,
-            extra={"base_model": run.base_model},
+        rec = reject_in_order(
+            futures,
+            engine,
+            who,
+            run,
+            req.seq_id,
+            "optimizer_params: only AdamW (adam_params) is supported",
             kind="optim_step",
-            idem_key=(run.id, req.seq_id),
             fp=fp,
-            run=_rejected(
-                engine, run, req.seq_id, "optimizer_params: only AdamW (adam_params) is supported"
-            ),
         )
         return future_json(rec, run.id)
     params = AdamParams(**(req.adam_params.model_dump() if req.adam_params else {}))
