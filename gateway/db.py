@@ -47,8 +47,16 @@ def make_engine(url: str | URL, *, foreign_keys: bool = True, **kwargs: Any) -> 
     ``PRAGMA foreign_keys`` (ON unless ``foreign_keys=False``, which the migrations use) set on
     every new connection; the file's folder is created; in-memory URLs share one connection."""
     url = make_url(url)
+    # Routes use the DB synchronously on the event loop, and a request may hold its session's
+    # connection across an await (Redis futures, quotas). A pool checkout that blocks therefore
+    # blocks the loop the holders need to finish: with SQLAlchemy's default 5 + 10 connections,
+    # 50 concurrent create_model calls froze the loop until Redis connects timed out. So a
+    # checkout must not wait: SQLite gets unbounded overflow (its connections are cheap files);
+    # Postgres a wide pool (10 + 50 per gateway replica, under its default max_connections 100).
     if not _is_sqlite(url):
         kwargs.setdefault("pool_pre_ping", True)
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 50)
         return create_engine(url, **kwargs)
 
     connect_args = dict(kwargs.pop("connect_args", {}))
@@ -59,6 +67,7 @@ def make_engine(url: str | URL, *, foreign_keys: bool = True, **kwargs: Any) -> 
         kwargs.setdefault("poolclass", StaticPool)
     else:
         db_file.expanduser().parent.mkdir(parents=True, exist_ok=True)
+        kwargs.setdefault("max_overflow", -1)
     engine = create_engine(url, connect_args=connect_args, **kwargs)
 
     @event.listens_for(engine, "connect")
