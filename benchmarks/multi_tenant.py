@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from engine.backends.transformers_backend import TransformersTrainingBackend
+from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import EngineError
 from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec
 
@@ -131,7 +131,7 @@ def build_medium(out_dir: Path) -> Path:
 def model_dir(name: str) -> Path:
     root = cache_root()
     if name == "tiny":
-        from engine.models.tiny import build_tiny
+        from engine.base_models.tiny import build_tiny
 
         return build_tiny(root / "tiny-chat")
     if name == "medium":

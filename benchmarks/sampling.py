@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from engine.backends.lora import adapter_parameters, add_adapter, inject_multi_lora, save_adapter
-from engine.backends.torch_sampler import TorchSamplingBackend
+from engine.backends.sample_torch import TorchSamplingBackend
 from engine.protocol import LoraSpec, SampleInput, SampleOutput, SamplingParams
 from engine.sampler import Sampler
 
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.model_dir:
             model_dir, model_name = Path(args.model_dir), Path(args.model_dir).name
         else:
-            from engine.models.tiny import build_tiny
+            from engine.base_models.tiny import build_tiny
 
             model_dir, model_name = build_tiny(Path(tmp) / "tiny-chat"), "tiny-chat"
         adapters = make_adapters(model_dir, Path(tmp) / "adapters", args.adapters, args.rank)

@@ -13,7 +13,7 @@ import re
 from ray import serve
 from ray.serve.deployment import Application
 
-from engine.config import ModelConfig, ServerConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.sampler import Sampler
 from engine.trainer import Trainer
 
@@ -49,7 +49,7 @@ def sampler_app(model: ModelConfig, data_dir: str, i: int = 0) -> Application:
     ).bind(model.model_dump(), data_dir)
 
 
-def engine_apps(config: ServerConfig, data_dir: str) -> dict[str, dict[str, list[Application]]]:
+def engine_apps(config: EngineConfig, data_dir: str) -> dict[str, dict[str, list[Application]]]:
     """``{base_model: {"trainer": [app per replica], "sampler": [...]}}`` to bind into the
     gateway. Each replica is its own single-replica deployment, because the gateway must choose
     the replica (an adapter lives in one Trainer; a sampling session sticks to one Sampler): see

@@ -1,14 +1,15 @@
-"""The server's topology config (YAML), validated strictly.
+"""The engine's part of the server config (YAML), validated strictly.
 
-Owns: which base models are served, with which backend and sampler, how many replicas, and the
-Ray / long-poll knobs. Unknown keys are an error naming the key. Process settings (data dir, DB URL)
-are the gateway's `Settings`, not this file.
+Owns: which base models are served, with which backend and sampler, how many replicas, the Ray
+knobs and the Trainer's seq_id gap timeout (`EngineConfig`). Unknown keys are an error naming the
+key. The gateway's own sections (HTTP, Redis, JWT, quotas, the Tinker API surface) extend this in
+`gateway.config.ServerConfig`; process settings (data dir, DB URL) are `gateway.settings`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -83,95 +84,22 @@ class RayConfig(_Strict):
     object_store_memory_mb: int = Field(512, ge=64, description="Object store size, local Ray")
 
 
-class GatewayConfig(_Strict):
-    """The gateway's own section (read by the gateway; the engine ignores it)."""
+class EngineConfig(_Strict):
+    """What the engine reads: the served models, Ray, and the seq_id gap timeout. The gateway's
+    `ServerConfig` subclasses it, so one YAML file configures both."""
 
-    num_replicas: int = Field(1, ge=1, description="Gateway (HTTP ingress) replicas")
-    redis_url: str | None = Field(
-        None, description="Redis for quota and rate-limit state; required with >1 replica"
-    )
-    jwt_enabled: bool = Field(
-        False, description="Tinker SDK JWT mode: clients exchange their key at /api/v1/auth/token"
-    )
-    jwt_ttl_seconds: int = Field(900, ge=60, le=86400, description="Lifetime of a minted JWT")
-    default_user_quotas: dict[str, int] = Field(
-        default_factory=dict,
-        description="Per-user quota limits applied when a user has no "
-        "override (names as in the admin API, e.g. max_training_clients)",
-    )
-    metrics_enabled: bool = Field(
-        True, description="Serve Prometheus metrics at GET /metrics (off: no endpoint, 404)"
-    )
-    metrics_require_admin: bool = Field(
-        False, description="GET /metrics needs an admin-scope API key (default: no key needed)"
-    )
-
-    @model_validator(mode="after")
-    def _redis_for_replicas(self) -> GatewayConfig:
-        if self.num_replicas > 1 and not self.redis_url:
-            raise ValueError(
-                f"num_replicas is {self.num_replicas} but redis_url is not set: quota and "
-                "rate-limit state must be shared between gateway replicas (set gateway.redis_url)"
-            )
-        return self
-
-
-class ServerConfig(_Strict):
-    host: str = Field("127.0.0.1", description="HTTP bind address")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     models: list[ModelConfig] = Field(
         default_factory=lambda: [ModelConfig(name=TINY_MODEL_NAME)],
         min_length=1,
         description="Base models served; each gets a Trainer and a Sampler deployment",
     )
     ray: RayConfig = Field(default_factory=RayConfig)
-    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
-    long_poll_seconds: float = Field(
-        25.0, gt=0, le=40, description="How long retrieve_future holds a request (SDK timeout 45 s)"
-    )
     seq_gap_timeout_seconds: float = Field(
         120.0, gt=0, description="How long a model's queue waits for a missing seq_id"
     )
-    # -- Tinker API surface (issue #5) --
-    future_ttl_seconds: float = Field(
-        3600.0,
-        gt=0,
-        description="How long a finished future's result is kept for retrieval; "
-        "afterwards retrieve_future answers 410 (for a day)",
-    )
-    metadata_only_min_bytes: int = Field(
-        1 << 20,
-        ge=0,
-        description="A finished protobuf result this large is first announced as "
-        "complete_metadata when the SDK allows it (it reserves its byte budget first)",
-    )
-    session_timeout_seconds: float = Field(
-        600.0,
-        gt=0,
-        description="A session with no heartbeat for this long expires: its "
-        "adapters are released (saved checkpoints stay) and its clients get 410",
-    )
-    session_sweep_seconds: float = Field(
-        30.0, gt=0, description="How often expired sessions and checkpoints are swept"
-    )
-    download_url_ttl_seconds: float = Field(
-        3600.0, gt=0, description="Lifetime of signed external-weights download URLs"
-    )
-    sdk_deprecated_below: str = Field(
-        "0.38.0", description="Tinker SDK versions below this get x-deprecation-level: warning"
-    )
-    sdk_unsupported_below: str = Field(
-        "0.16.0", description="Tinker SDK versions below this get x-deprecation-level: error"
-    )
-    max_concurrent_samples_per_user: int = Field(
-        64,
-        ge=0,
-        description="Sampling requests (Tinker asample, OpenAI completions) one user may "
-        "have in flight at once; more get 429 with retry-after. 0 = no limit",
-    )
 
     @model_validator(mode="after")
-    def _unique_names(self) -> ServerConfig:
+    def _unique_names(self) -> Self:
         names = [m.name for m in self.models]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -182,7 +110,7 @@ class ServerConfig(_Strict):
         return next((m for m in self.models if m.name == name), None)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> ServerConfig:
+    def from_yaml(cls, path: str | Path) -> Self:
         """Load and validate; raises ConfigError naming the offending keys."""
         try:
             raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -191,7 +119,7 @@ class ServerConfig(_Strict):
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
-    def from_dict(cls, raw: object, source: str = "config") -> ServerConfig:
+    def from_dict(cls, raw: object, source: str = "config") -> Self:
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:

@@ -33,17 +33,17 @@ Listener = Callable[[int, int, float], None]
 
 def build_sampling_backend(model: ModelConfig, data_dir: str) -> SamplingBackend:
     """The backend ``model.sampler_type`` names (imported here: vllm is an optional extra)."""
-    from engine.models.registry import resolve_model_dir
+    from engine.base_models.registry import resolve_model_dir
 
     model_dir = str(resolve_model_dir(model.name, data_dir, model.path))
     if model.sampler_type == "vllm":
-        from engine.backends.vllm_sampler import VllmSamplingBackend
+        from engine.backends.sample_vllm import VllmSamplingBackend
 
         args = dict(model.vllm_engine_args)
         if model.max_context_length is not None:
             args.setdefault("max_model_len", model.max_context_length)
         return VllmSamplingBackend(model_dir, max_lora_rank=model.max_lora_rank, engine_args=args)
-    from engine.backends.torch_sampler import TorchSamplingBackend
+    from engine.backends.sample_torch import TorchSamplingBackend
 
     return TorchSamplingBackend(model_dir)
 

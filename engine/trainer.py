@@ -1,9 +1,9 @@
 """The Trainer: one base model, many tenants' adapters.
 
 Per model, requests run in seq_id order (engine/sequencer.py); across tenants, compute is shared
-fairly by deficit round robin over tokens (engine/scheduler.py), with big forward_backward requests
+fairly by deficit round robin over tokens (engine/scheduling/fair.py), with big forward_backward requests
 sliced so that small tenants never wait behind a whole big batch; adapters beyond the configured
-capacity are offloaded and reloaded transparently (engine/adapter_pool.py).
+capacity are offloaded and reloaded transparently (engine/scheduling/adapter_pool.py).
 
 Works in-process (tests, the local API) and as a Ray Serve deployment (engine/app.py): every
 public method is a coroutine.
@@ -16,10 +16,8 @@ import math
 import os
 from pathlib import Path
 
-from engine.adapter_pool import AdapterPool
 from engine.backends.base import TrainingBackend
 from engine.config import ModelConfig
-from engine.once import OnceCache
 from engine.protocol import (
     AdamParams,
     ForwardBackwardInput,
@@ -27,17 +25,19 @@ from engine.protocol import (
     LoraSpec,
     OptimStepOutput,
 )
-from engine.scheduler import FIXED_COST, FairScheduler
-from engine.sequencer import Sequencer
-from engine.slicing import merge_outputs, slice_input
+from engine.scheduling.adapter_pool import AdapterPool
+from engine.scheduling.exactly_once import OnceCache
+from engine.scheduling.fair import FIXED_COST, FairScheduler
+from engine.scheduling.sequencer import Sequencer
+from engine.scheduling.slicing import merge_outputs, slice_input
 
 log = logging.getLogger(__name__)
 
 
 def build_training_backend(model: ModelConfig, data_dir: str) -> TrainingBackend:
     """Resolve the model folder (building the tiny model if needed) and load the backend."""
-    from engine.backends.transformers_backend import TransformersTrainingBackend
-    from engine.models.registry import resolve_model_dir
+    from engine.backends.train_transformers import TransformersTrainingBackend
+    from engine.base_models.registry import resolve_model_dir
 
     model_dir = resolve_model_dir(model.name, data_dir, model.path)
     return TransformersTrainingBackend(
@@ -64,7 +64,7 @@ class Trainer:
         self._tenant: dict[str, str] = {}
         self._waiting: dict[tuple[str, int], str] = {}
         # A repeated (model_id, seq_id) (a gateway replica re-driving a request after another
-        # replica died) gets the first execution's result; see engine/once.py.
+        # replica died) gets the first execution's result; see engine/scheduling/exactly_once.py.
         self._once = OnceCache()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ class Trainer:
         costs: dict = {}
         if mode == "auto":
             try:
-                from engine.cost_model import measure_execution_costs
+                from engine.scheduling.execution_probe import measure_execution_costs
 
                 costs = measure_execution_costs(self.backend, **self._probe_shape())
                 mode = costs["choice"]

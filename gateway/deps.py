@@ -12,14 +12,14 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlmodel import Session
 
-from engine.config import ServerConfig
-from gateway.auth import Principal, PrincipalDep
-from gateway.checkpoints import CHECKPOINT_DELETED
+from gateway.accounts.keys import Principal, PrincipalDep
+from gateway.config import ServerConfig
+from gateway.db.tables import SamplingSessionRow, SessionRow, TrainingRunRow
 from gateway.engine_client import EngineClient
 from gateway.errors import GoneError, InvalidRequestError, NotFoundError
-from gateway.futures import FutureStore
+from gateway.futures.store import FutureStore
+from gateway.runs.checkpoints import CHECKPOINT_DELETED
 from gateway.settings import Settings
-from gateway.tables import SamplingSessionRow, SessionRow, TrainingRunRow
 
 
 def get_db(request: Request) -> Iterator[Session]:
@@ -59,8 +59,8 @@ def owned_session(db: Session, who: Principal, session_id: str) -> SessionRow:
     row = db.get(SessionRow, session_id)
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"session_id: session {session_id!r} not found")
-    if row.finish_reason == "expired":  # gateway.sweeper: silent too long, adapters released
-        from gateway.sweeper import expired_session_message
+    if row.finish_reason == "expired":  # gateway.runs.expiry: silent too long, adapters released
+        from gateway.runs.expiry import expired_session_message
 
         raise GoneError(expired_session_message(row.id))
     if row.finished_at is not None:
@@ -77,7 +77,7 @@ def owned_run(db: Session, who: Principal, model_id: str, *, live: bool = False)
         raise NotFoundError(f"model_id: model {model_id!r} not found")
     session = db.get(SessionRow, row.session_id) if live else None
     if session is not None and session.finish_reason == "expired":
-        from gateway.sweeper import expired_session_message
+        from gateway.runs.expiry import expired_session_message
 
         raise GoneError(f"model_id: {model_id}: " + expired_session_message(session.id))
     return row

@@ -15,32 +15,33 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from engine.config import ServerConfig
 from gateway import admin_api, openai_api, twinkle_api
-from gateway.accounts_setup import build_jwt, build_quotas
+from gateway.accounts.jwt import build_jwt
+from gateway.accounts.usage import UsageLedger
+from gateway.config import ServerConfig, effective_redis_url
 from gateway.db import make_engine
 from gateway.engine_client import EngineClient
 from gateway.errors import register_exception_handlers
-from gateway.futures import FutureStore
-from gateway.kv import make_kv
+from gateway.futures.kv import make_kv
+from gateway.futures.store import FutureStore
 from gateway.metrics import GatewayMetrics, MetricsMiddleware, metrics_router
 from gateway.middleware import GatewayMiddleware
+from gateway.quotas import build_quotas
+from gateway.runs.expiry import sweep_forever
 from gateway.settings import Settings
-from gateway.sweeper import sweep_forever
 from gateway.tinker_api import (
-    checkpoints_api,
+    checkpoints,
     compat,
     exports,
-    futures,
     jobs,
+    retrieve,
     runs,
     sampling,
     saves,
+    session_queries,
     sessions,
-    sessions_rest,
     training,
 )
-from gateway.usage import UsageLedger
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         app.state.db_engine = make_engine(settings.database_url)
         # With Redis (TWINKLE_REDIS_URL or gateway.redis_url), futures, idempotency keys and quota
         # state are shared by gateway replicas and survive restarts.
-        redis_url = settings.redis_url or config.gateway.redis_url
+        redis_url = effective_redis_url(settings.redis_url, config)
         app.state.kv = make_kv(redis_url)
         app.state.futures = FutureStore(
             make_kv(redis_url),
@@ -60,10 +61,12 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         )
         app.state.futures.job_runner = lambda job: jobs.runner(engine_client, job)
         await app.state.futures.start()
-        app.state.quotas = build_quotas(settings, config, app.state.db_engine, redis_url)
+        app.state.quotas = build_quotas(config, app.state.db_engine, redis_url)
         if app.state.metrics is not None:
             app.state.quotas.on_denial = app.state.metrics.quota_denied
-        app.state.jwt = build_jwt(settings, config)
+        app.state.jwt = build_jwt(
+            settings.data_dir, config.gateway.jwt_enabled, config.gateway.jwt_ttl_seconds
+        )
         app.state.usage = UsageLedger(app.state.db_engine)
         loop = asyncio.get_running_loop()
         app.state.checkpoint_deleted = _checkpoint_releaser(
@@ -112,11 +115,11 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         )
         app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
         app.include_router(metrics_router(config.gateway.metrics_require_admin))
-    # exports / checkpoints_api before runs: their .../{checkpoint_id:path}/publish|ttl|... routes
+    # exports / checkpoints before runs: their .../{checkpoint_id:path}/publish|ttl|... routes
     # must be tried before runs' DELETE .../{checkpoint_id:path}.
-    for module in (sessions, sessions_rest, training, saves, exports, sampling, futures, compat):
+    for module in (sessions, session_queries, training, saves, exports, sampling, retrieve, compat):
         app.include_router(module.router)
-    for module in (checkpoints_api, runs, openai_api, twinkle_api):
+    for module in (checkpoints, runs, openai_api, twinkle_api):
         app.include_router(module.router)
     for router in admin_api.routers():
         app.include_router(router)
@@ -132,7 +135,7 @@ def _checkpoint_releaser(db_engine, quotas, loop: asyncio.AbstractEventLoop):
     async def release(user_id: int, path: str) -> None:
         from sqlmodel import Session
 
-        from gateway.tables import UserRow
+        from gateway.db.tables import UserRow
 
         with Session(db_engine) as s:
             user = s.get(UserRow, user_id)

@@ -35,7 +35,7 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.auth import get_admin_principal
+from gateway.accounts.keys import get_admin_principal
 
 UNMATCHED = "unmatched"
 _CONVERTOR = re.compile(r"\{(\w+):\w+\}")

@@ -24,9 +24,9 @@ from typing import Any
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.auth import extract_api_key
+from gateway.accounts.keys import extract_api_key
 from gateway.errors import _REQUEST_ID_RE
-from gateway.kv import KV
+from gateway.futures.kv import KV
 
 IDEMPOTENCY_TTL_S = 24 * 3600.0
 _NOT_CACHED = ("/retrieve_future", "/session_heartbeat", "/telemetry", "/retrieve_futures")

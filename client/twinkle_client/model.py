@@ -1,6 +1,6 @@
 """`MultiLoraTransformersModel`: the engine's in-process training class, served remotely.
 
-Same methods, arguments and return values as ``engine.model.MultiLoraTransformersModel``, so a
+Same methods, arguments and return values as ``engine.local.model.MultiLoraTransformersModel``, so a
 script switches between local and remote by changing its import. Each call is one synchronous
 request to ``/api/v1/twinkle/model/<method>``; the server runs that very class against the shared
 multi-tenant Trainer. Differences, all about where things live:

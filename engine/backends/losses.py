@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from engine.errors import UserInputError
 
 if TYPE_CHECKING:
-    from engine.backends.batching import Request
+    from engine.backends.train_batching import Request
 
 #: accepted by every loss: forward through the base model only (reference logprobs)
 DISABLE_LORA = "disable_lora"

@@ -12,13 +12,19 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import col, select
 
-from gateway.account_tables import OrganizationRow
-from gateway.accounts import clean_name, create_key, ensure_org, ensure_user, key_json, revoke_key
-from gateway.audit import event_json, list_events, record_event
-from gateway.auth import AdminPrincipalDep
+from gateway.accounts.audit import event_json, list_events, record_event
+from gateway.accounts.keys import AdminPrincipalDep
+from gateway.accounts.service import (
+    clean_name,
+    create_key,
+    ensure_org,
+    ensure_user,
+    key_json,
+    revoke_key,
+)
+from gateway.db.tables import ApiKeyRow, OrganizationRow, UserRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep
 from gateway.errors import ConflictError, NotFoundError
-from gateway.tables import ApiKeyRow, UserRow, utcnow
 
 router = APIRouter(prefix="/api/v1/admin", tags=["admin"])
 

@@ -9,15 +9,14 @@ from datetime import datetime
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from gateway.account_tables import OrganizationRow
-from gateway.audit import record_event
-from gateway.auth import AdminPrincipalDep, Principal
+from gateway.accounts.audit import record_event
+from gateway.accounts.keys import AdminPrincipalDep, Principal
+from gateway.accounts.usage import query
+from gateway.db.tables import OrganizationRow, UserRow
 from gateway.deps import DbDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.quotas.limits import QUOTAS, SUBJECT_TYPES, limits_of, set_limit
-from gateway.tables import UserRow
-from gateway.usage import query
 
 router = APIRouter(prefix="/api/v1/admin", tags=["admin"])
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from gateway.accounts import revoke_key
-from gateway.auth import PrincipalDep
+from gateway.accounts.keys import PrincipalDep
+from gateway.accounts.service import revoke_key
+from gateway.db.tables import ApiKeyRow
 from gateway.deps import DbDep
 from gateway.errors import NotFoundError, PermissionDeniedError
-from gateway.tables import ApiKeyRow
 
 router = APIRouter(prefix="/api/v1/auth")
 

@@ -9,12 +9,12 @@ from datetime import UTC, date, datetime, timedelta
 from fastapi import APIRouter, Query
 from sqlmodel import col, func, select
 
-from gateway.audit import event_json, list_events
-from gateway.auth import AdminPrincipalDep
+from gateway.accounts.audit import event_json, list_events
+from gateway.accounts.keys import AdminPrincipalDep
+from gateway.accounts.usage import GB, billing_event, query
+from gateway.db.tables import CheckpointRow, UserRow
 from gateway.deps import DbDep
 from gateway.errors import InvalidRequestError
-from gateway.tables import CheckpointRow, UserRow
-from gateway.usage import GB, billing_event, query
 
 router = APIRouter(prefix="/api/v1")
 

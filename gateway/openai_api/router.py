@@ -5,7 +5,7 @@ sends). ``model`` is a served base model name or a ``tinker://`` / ``twinkle://`
 the caller may read (their own, or a published one); ``"<base>;<path>"`` is accepted too. The
 engine's Sampler does the tokenizing (chat template), sampling and detokenizing; this module maps
 OpenAI's parameters onto an engine `SampleInput` and renders the results (`responses`). Each
-request holds one slot of the caller's concurrent-sampling limit (`gateway.sampling_limits`).
+request holds one slot of the caller's concurrent-sampling limit (`gateway.quotas.concurrency`).
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from sqlmodel import col, or_, select
 
 from engine.errors import UserInputError
 from engine.protocol import SampleInput, SamplingParams
-from gateway.checkpoints import readable_checkpoint
+from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.openai_api import responses as R
 from gateway.openai_api import streaming as S
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
+from gateway.quotas.concurrency import SamplingLimiterDep
 from gateway.quotas.metering import SampleMeter
-from gateway.sampling_limits import SamplingLimiterDep
-from gateway.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
+from gateway.runs.checkpoints import readable_checkpoint
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from sqlmodel import Session, and_, or_, select
 
-from gateway.account_tables import QuotaLimitRow
+from gateway.db.tables import QuotaLimitRow
 from gateway.errors import InvalidRequestError
 
 QUOTAS: dict[str, str] = {
@@ -96,7 +96,7 @@ def set_limit(
             QuotaLimitRow(subject_type=subject_type, subject_id=subject_id, name=name, value=value)
         )
     else:
-        from gateway.tables import utcnow
+        from gateway.db.tables import utcnow
 
         row.value, row.updated_at = value, utcnow()
         session.add(row)

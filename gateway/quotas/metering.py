@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.auth import Principal
+from gateway.accounts.keys import Principal
+from gateway.accounts.usage import UsageLedger
 from gateway.quotas import Quotas
 from gateway.quotas.limits import Limits
 from gateway.quotas.store import RateCheck
-from gateway.usage import UsageLedger
 
 
 @dataclass

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from pydantic import Field
 
-from gateway.checkpoints import validate_name
+from gateway.db.tables import CheckpointRow, utcnow
 from gateway.deps import (
     ConfigDep,
     DbDep,
@@ -40,9 +40,9 @@ from gateway.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
-from gateway.futures import fingerprint
+from gateway.futures.store import fingerprint
 from gateway.quotas import QuotasDep
-from gateway.tables import CheckpointRow, utcnow
+from gateway.runs.checkpoints import validate_name
 from gateway.tinker_api.saves import _save_future
 from gateway.tinker_api.schemas import _Req
 from gateway.tinker_api.training import _touch, future_json, reject_in_order
@@ -143,7 +143,7 @@ async def external_weights_urls(
     settings: SettingsDep,
     config: ConfigDep,
 ) -> dict:
-    from gateway.tinker_api.checkpoints_api import visible_checkpoint
+    from gateway.tinker_api.checkpoints import visible_checkpoint
 
     row = visible_checkpoint(db, who, run_id, checkpoint_id)
     if row.kind != "external":

@@ -1,9 +1,9 @@
 """Jobs: the engine calls of training futures, described as JSON so another gateway replica can
-run them again after the replica that accepted them died (gateway/futures.py, takeover).
+run them again after the replica that accepted them died (gateway/futures/store.py, takeover).
 
 A job is ``[name, params]``. `runner(engine, job)` returns the future's coroutine factory with the
 job attached (``.job``), which the future store records. Running a job twice is safe: the Trainer
-answers a repeated (model_id, seq_id) with its first result (engine/once.py).
+answers a repeated (model_id, seq_id) with its first result (engine/scheduling/exactly_once.py).
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 from sqlmodel import col, func, select
 
-from gateway.checkpoints import SEGMENT_OF_KIND, delete_checkpoint, parse_path
+from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow
 from gateway.deps import DbDep, PrincipalDep, owned_run
 from gateway.errors import NotFoundError
 from gateway.quotas import QuotasDep
-from gateway.sweeper import purge_expired_checkpoints
-from gateway.tables import CheckpointRow, TrainingRunRow, UserRow
+from gateway.runs.checkpoints import SEGMENT_OF_KIND, delete_checkpoint, parse_path
+from gateway.runs.expiry import purge_expired_checkpoints
 
 Scope = Literal["owned", "accessible"]
 
@@ -100,7 +100,7 @@ async def list_training_runs(
     purge_expired_checkpoints(db)
     where = _runs_where(who.user_id, access_scope)
     if project_id is not None:
-        from gateway.tables import SessionRow
+        from gateway.db.tables import SessionRow
 
         where = where & col(TrainingRunRow.session_id).in_(
             select(SessionRow.id).where(SessionRow.project_id == project_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from engine.protocol import SampleInput, SamplingParams
-from gateway.checkpoints import readable_checkpoint
+from gateway.db.tables import SamplingSessionRow, TrainingRunRow
 from gateway.deps import (
     ConfigDep,
     DbDep,
@@ -16,9 +16,9 @@ from gateway.deps import (
     owned_session,
 )
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.futures import fingerprint
-from gateway.sampling_limits import SamplingLimiterDep
-from gateway.tables import SamplingSessionRow, TrainingRunRow
+from gateway.futures.store import fingerprint
+from gateway.quotas.concurrency import SamplingLimiterDep
+from gateway.runs.checkpoints import readable_checkpoint
 from gateway.tinker_api.proto_codec import encode_sample_output, target_ids_from_wire
 from gateway.tinker_api.schemas import CreateSamplingSessionRequest, SampleRequest
 

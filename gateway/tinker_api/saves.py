@@ -13,12 +13,12 @@ from datetime import timedelta
 from fastapi import APIRouter, Request
 from sqlmodel import Session, col, select
 
-from gateway.checkpoints import ParsedPath, new_storage_dir, validate_name
+from gateway.db.tables import CheckpointRow, SamplingSessionRow, TrainingRunRow, utcnow
 from gateway.deps import DbDep, EngineDep, FuturesDep, PrincipalDep, SettingsDep, owned_run
 from gateway.errors import InvalidRequestError, QuotaExceededError
-from gateway.futures import FutureRecord, fingerprint
+from gateway.futures.store import FutureRecord, fingerprint
 from gateway.quotas import QuotasDep
-from gateway.tables import CheckpointRow, SamplingSessionRow, TrainingRunRow, utcnow
+from gateway.runs.checkpoints import ParsedPath, new_storage_dir, validate_name
 from gateway.tinker_api.schemas import SaveWeightsForSamplerRequest, SaveWeightsRequest
 from gateway.tinker_api.training import _touch, future_json, reject_in_order
 

@@ -10,11 +10,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlmodel import select
 
+from gateway.db.tables import SessionRow, TrainingRunRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, owned_session
 from gateway.errors import NotFoundError
 from gateway.middleware import deprecation_for, parse_version, sdk_version
 from gateway.quotas import QuotasDep
-from gateway.tables import SessionRow, TrainingRunRow, utcnow
 from gateway.tinker_api.schemas import (
     ClientConfigRequest,
     CreateSessionRequest,

@@ -14,7 +14,8 @@ import zstandard
 from fastapi import APIRouter, Request
 
 from engine.protocol import AdamParams, LoraSpec
-from gateway.checkpoints import readable_checkpoint
+from gateway.accounts.usage import UsageLedger
+from gateway.db.tables import TrainingRunRow, utcnow
 from gateway.deps import (
     ConfigDep,
     DbDep,
@@ -25,9 +26,9 @@ from gateway.deps import (
     owned_session,
 )
 from gateway.errors import InvalidRequestError, NotFoundError, QuotaExceededError
-from gateway.futures import FutureRecord, fingerprint
+from gateway.futures.store import FutureRecord, fingerprint
 from gateway.quotas import QuotasDep
-from gateway.tables import TrainingRunRow, utcnow
+from gateway.runs.checkpoints import readable_checkpoint
 from gateway.tinker_api import compat, jobs
 from gateway.tinker_api.proto_codec import decode_forward_backward
 from gateway.tinker_api.schemas import (
@@ -36,7 +37,6 @@ from gateway.tinker_api.schemas import (
     LoadWeightsRequest,
     OptimStepRequest,
 )
-from gateway.usage import UsageLedger
 
 router = APIRouter(prefix="/api/v1")
 _MAX_BODY = 256 * 1024 * 1024  # 256 MiB decompressed: far above the SDK's 5 MB chunks

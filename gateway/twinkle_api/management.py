@@ -13,11 +13,11 @@ import uuid
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
-from engine.models.registry import resolve_model_dir
-from gateway.checkpoints import delete_checkpoint, readable_checkpoint
+from engine.base_models.registry import resolve_model_dir
+from gateway.db.tables import SessionRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.tables import SessionRow, utcnow
+from gateway.runs.checkpoints import delete_checkpoint, readable_checkpoint
 from gateway.tinker_api import runs as tinker_runs
 from gateway.tinker_api import sessions as tinker_sessions
 from gateway.twinkle_api.schemas import CreateSessionRequest, HeartbeatRequest

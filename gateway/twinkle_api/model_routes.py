@@ -19,13 +19,13 @@ import numpy as np
 from fastapi import APIRouter, Request
 from sqlmodel import Session, select
 
-from engine.model_config import lora_spec_from_config
+from engine.local.training_config import lora_spec_from_config
 from engine.protocol import LoraSpec
-from gateway.checkpoints import ParsedPath, new_storage_dir, readable_checkpoint, validate_name
+from gateway.db.tables import CheckpointRow, TrainingRunRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.tables import CheckpointRow, TrainingRunRow, utcnow
-from gateway.twinkle_api.registry import NativeModel, make_native_model, native_models
+from gateway.runs.checkpoints import ParsedPath, new_storage_dir, readable_checkpoint, validate_name
+from gateway.twinkle_api.model_registry import NativeModel, make_native_model, native_models
 from gateway.twinkle_api.schemas import CloseModelRequest, CreateModelRequest, ModelCallRequest
 from gateway.twinkle_api.templates import check_processor, check_template
 

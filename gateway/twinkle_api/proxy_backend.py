@@ -1,6 +1,6 @@
 """A `TrainingBackend` that forwards to the shared Trainer through the engine client.
 
-The native routes run the engine's own `MultiLoraTransformersModel` (engine/model.py) on the
+The native routes run the engine's own `MultiLoraTransformersModel` (engine/local/model.py) on the
 gateway, so a remote script gets exactly the in-process class's semantics (loss configs,
 gradient accumulation, LR schedules, metrics, checkpoint training configs). Its compute goes to
 the same Trainer the Tinker routes use, through this backend: each adapter name of a native model

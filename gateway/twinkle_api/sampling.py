@@ -20,14 +20,14 @@ import math
 
 from fastapi import APIRouter, Request
 
-from engine.models.registry import resolve_model_dir
+from engine.base_models.registry import resolve_model_dir
 from engine.protocol import SampleInput, SamplingParams
-from gateway.checkpoints import readable_checkpoint
+from gateway.db.tables import TrainingRunRow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.quotas.concurrency import SamplingLimiterDep
 from gateway.quotas.metering import SampleMeter
-from gateway.sampling_limits import SamplingLimiterDep
-from gateway.tables import TrainingRunRow
+from gateway.runs.checkpoints import readable_checkpoint
 from gateway.twinkle_api.schemas import EncodeRequest, SampleRequest, SetTemplateRequest
 from gateway.twinkle_api.templates import IGNORE_INDEX, ChatEncoder, check_template, load_tokenizer
 

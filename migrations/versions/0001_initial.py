@@ -1,6 +1,6 @@
 """Initial schema: users, api_keys, sessions, training_runs, checkpoints, sampling_sessions.
 
-Mirrors ``gateway/tables.py`` exactly (types, nullability, ``ix_*`` indexes, unique constraints),
+Mirrors ``gateway/db/tables.py`` exactly (types, nullability, ``ix_*`` indexes, unique constraints),
 so ``alembic revision --autogenerate`` finds no drift (checked by tests/gateway/test_migrations.py).
 
 Revision ID: 0001

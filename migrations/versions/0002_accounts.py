@@ -1,7 +1,7 @@
 """Accounts: organizations, users.org_id / disabled_at, api_keys.name / expires_at, quota limits,
 the hourly usage ledger and the audit log.
 
-Mirrors ``gateway/tables.py`` + ``gateway/account_tables.py`` exactly (no autogenerate drift).
+Mirrors ``gateway/db/tables.py`` exactly (no autogenerate drift).
 Existing users are moved into an organization named "default".
 
 Revision ID: 0002_accounts

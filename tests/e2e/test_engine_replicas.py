@@ -23,12 +23,12 @@ pytestmark = pytest.mark.e2e
 SCRIPT = textwrap.dedent(
     """
     import json, sys
-    import gateway.serve  # noqa: F401  (sets Ray's loopback env before Ray is imported)
+    import gateway.cli.serve  # noqa: F401  (sets Ray's loopback env before Ray is imported)
     import numpy as np
     import ray
     from ray import serve
     from engine.app import engine_apps
-    from engine.config import ServerConfig
+    from gateway.config import ServerConfig
     from engine.protocol import (AdamParams, DatumInput, ForwardBackwardInput, LoraSpec,
                                  SampleInput, SamplingParams)
     from gateway.engine_client import EngineClient

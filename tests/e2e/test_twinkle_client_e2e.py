@@ -23,7 +23,7 @@ import twinkle_client
 from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
 from twinkle_client.sampler import vLLMSampler
 
-from engine.model import MultiLoraTransformersModel as LocalModel
+from engine.local.model import MultiLoraTransformersModel as LocalModel
 from tests.twinkle_scripts import BASE, dpo_step, grpo_step, hf_data, sft_script
 
 pytestmark = pytest.mark.e2e

@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
-from engine.config import ServerConfig  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
-from gateway.accounts import create_key, ensure_user  # noqa: E402
+from gateway.accounts.service import create_key, ensure_user  # noqa: E402
+from gateway.config import ServerConfig  # noqa: E402
 from gateway.db import make_engine, session_scope, upgrade_to_head  # noqa: E402
 from gateway.engine_client import EngineClient  # noqa: E402
 from gateway.main import create_app  # noqa: E402
@@ -57,8 +57,7 @@ def set_quota(db_url: str, level: str, name: str, quota: str, value: int | None)
     """Set a quota for org ``name`` or user ``name``."""
     from sqlmodel import select
 
-    from gateway.account_tables import OrganizationRow
-    from gateway.tables import UserRow
+    from gateway.db.tables import OrganizationRow, UserRow
 
     db = make_engine(db_url)
     try:

@@ -10,12 +10,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 import sqlalchemy as sa
+from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from gateway.db import make_engine
-from tests.gateway.test_migrations import fresh_postgres_db
 from tests.gateway.accounts_env import (
     build_engines,
     create_model,
@@ -26,6 +25,7 @@ from tests.gateway.accounts_env import (
     session,
     wait,
 )
+from tests.gateway.test_migrations import fresh_postgres_db
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
@@ -257,7 +257,7 @@ def test_raw_keys_never_appear_in_responses_logs_or_the_database(
 
 
 def test_access_denied_audit_is_throttled(env, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gateway.audit as audit
+    import gateway.accounts.audit as audit
 
     monkeypatch.setattr(audit, "DENIED_PER_MINUTE", 3)
     monkeypatch.setattr(audit, "_denied_window", {"minute": 0, "count": 0})

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from gateway.auth import (
+from gateway.accounts.keys import (
     AdminPrincipalDep,
     Principal,
     PrincipalDep,
@@ -25,8 +25,8 @@ from gateway.auth import (
     generate_api_key,
 )
 from gateway.db import make_engine, session_scope, upgrade_to_head
+from gateway.db.tables import ApiKeyRow, UserRow, utcnow
 from gateway.errors import AuthenticationError, register_exception_handlers
-from gateway.tables import ApiKeyRow, UserRow, utcnow
 
 
 @pytest.fixture

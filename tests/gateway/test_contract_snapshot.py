@@ -16,7 +16,7 @@ from pathlib import Path
 
 import tinker
 
-from engine.config import ServerConfig
+from gateway.config import ServerConfig
 from gateway.main import create_app
 from gateway.settings import Settings
 

@@ -1,4 +1,4 @@
-"""``twinkle keys`` (gateway.keys_cli.keys_main) against a data dir in tmp_path, plus Settings."""
+"""``twinkle keys`` (gateway.cli.keys.keys_main) against a data dir in tmp_path, plus Settings."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session
 
-from gateway.auth import authenticate
+from gateway.accounts.keys import authenticate
+from gateway.cli.keys import keys_main
 from gateway.db import make_engine
 from gateway.errors import AuthenticationError
-from gateway.keys_cli import keys_main
 from gateway.settings import Settings
 
 
@@ -120,7 +120,7 @@ def test_settings_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_create_in_an_org_with_expiry_and_the_orgs_and_quotas_commands(
     data_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gateway.orgs_cli import orgs_main
+    from gateway.cli.orgs import orgs_main
 
     key = _create(
         capsys, "--user", "alice", "--org", "acme", "--name", "laptop", "--expires-in", "3600"

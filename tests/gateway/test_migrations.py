@@ -1,4 +1,4 @@
-"""Alembic migrations vs. gateway/tables.py: upgrade from empty, no autogenerate drift, downgrade
+"""Alembic migrations vs. gateway/db/tables.py: upgrade from empty, no autogenerate drift, downgrade
 to base and back, idempotent upgrades, any cwd, and the repo-root ``alembic`` CLI.
 
 Every round trip also runs on a real Postgres server (the ``postgres_url`` fixture), each test in a
@@ -19,7 +19,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlmodel import SQLModel
 
-import gateway.tables  # noqa: F401
+import gateway.db.tables  # noqa: F401
 from gateway.db import (
     REPO_ROOT,
     alembic_config,
@@ -204,7 +204,7 @@ def test_alembic_cli_from_repo_root(tmp_path: Path) -> None:
 
 
 def test_in_memory_engine_can_be_migrated_and_used() -> None:
-    from gateway.auth import authenticate, create_user_and_key
+    from gateway.accounts.keys import authenticate, create_user_and_key
     from gateway.db import session_scope
 
     engine = make_engine("sqlite://")

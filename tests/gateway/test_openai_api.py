@@ -20,19 +20,19 @@ from sqlmodel import Session, select
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from engine.config import ServerConfig  # noqa: E402
 from engine.protocol import SampleInput, SamplingParams  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
-from gateway.auth import create_user_and_key  # noqa: E402
+from gateway.accounts.keys import create_user_and_key  # noqa: E402
+from gateway.config import ServerConfig  # noqa: E402
 from gateway.db import make_engine, session_scope, upgrade_to_head  # noqa: E402
+from gateway.db.tables import UserRow  # noqa: E402
 from gateway.engine_client import EngineClient  # noqa: E402
 from gateway.errors import RateLimitedError  # noqa: E402
 from gateway.main import create_app  # noqa: E402
 from gateway.openai_api import responses  # noqa: E402
-from gateway.sampling_limits import SamplingLimiter  # noqa: E402
+from gateway.quotas.concurrency import SamplingLimiter  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
-from gateway.tables import UserRow  # noqa: E402
 
 BASE = "twinkle/tiny-chat"
 MESSAGES = [
@@ -400,7 +400,7 @@ def test_bad_completion_parameters_are_400_naming_the_field(env, body, field):
 
 def test_limiter_unit(tmp_path):
     """The limiter on the quota service (in-process store): per user, idempotent release."""
-    from gateway.auth import Principal
+    from gateway.accounts.keys import Principal
     from gateway.quotas import MemoryQuotaStore, Quotas
 
     url = f"sqlite:///{tmp_path / 'lim.db'}"

@@ -6,7 +6,6 @@ name the quota, checkpoint caps, LoRA rank caps, and the replica/Redis config ru
 from __future__ import annotations
 
 import time
-
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -14,8 +13,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.config import ServerConfig
 from engine.errors import ConfigError
+from gateway.config import ServerConfig
 from tests.gateway.accounts_env import (
     build_engines,
     create_model,

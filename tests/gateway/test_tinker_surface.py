@@ -18,10 +18,10 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from engine.config import ServerConfig  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
-from gateway.auth import create_user_and_key  # noqa: E402
+from gateway.accounts.keys import create_user_and_key  # noqa: E402
+from gateway.config import ServerConfig  # noqa: E402
 from gateway.db import make_engine, session_scope, upgrade_to_head  # noqa: E402
 from gateway.engine_client import EngineClient  # noqa: E402
 from gateway.main import create_app  # noqa: E402
@@ -280,7 +280,7 @@ def test_signed_download_urls(env):
     )
     assert other_file.status_code == 403  # a signature is for one file
     # An expired URL with a valid signature (signed here with the server's key) is 410.
-    from gateway.tables import CheckpointRow
+    from gateway.db.tables import CheckpointRow
     from gateway.tinker_api.exports import _signature, signing_key
 
     row_id = int(url.path.split("/")[-2])

@@ -24,12 +24,12 @@ import twinkle_client
 from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
 from twinkle_client.sampler import vLLMSampler
 
-from engine.config import ServerConfig
-from engine.model import MultiLoraTransformersModel as LocalModel
-from engine.models.registry import resolve_model_dir
+from engine.base_models.registry import resolve_model_dir
+from engine.local.model import MultiLoraTransformersModel as LocalModel
 from engine.sampler import Sampler
 from engine.trainer import Trainer
-from gateway.auth import create_user_and_key
+from gateway.accounts.keys import create_user_and_key
+from gateway.config import ServerConfig
 from gateway.db import make_engine, session_scope, upgrade_to_head
 from gateway.engine_client import EngineClient
 from gateway.main import create_app

@@ -24,7 +24,7 @@ _torch_threads()
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny chat model (engine/models/tiny.py), built once per test session."""
-    from engine.models.tiny import build_tiny
+    """The tiny chat model (engine/base_models/tiny.py), built once per test session."""
+    from engine.base_models.tiny import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny-chat")

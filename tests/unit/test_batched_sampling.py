@@ -20,9 +20,9 @@ from engine.backends.lora import (
     lora_layers,
     save_adapter,
 )
-from engine.backends.sampler_decode import adapter_segments
-from engine.backends.torch_sampler import TorchSamplingBackend
-from engine.backends.transformers_backend import TransformersTrainingBackend
+from engine.backends.sample_decode import adapter_segments
+from engine.backends.sample_torch import TorchSamplingBackend
+from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import CheckpointError, EngineError, UserInputError
 from engine.protocol import (
     AdamParams,

@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec
-from engine.scheduler import FairScheduler
+from engine.scheduling.fair import FairScheduler
 from engine.trainer import Trainer
 
 

@@ -11,7 +11,7 @@ import torch
 
 from engine.backends.base import TrainingBackend
 from engine.backends.lora import adapter_parameters
-from engine.backends.transformers_backend import TransformersTrainingBackend
+from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import AdapterNotFoundError, BackendError, UserInputError
 from engine.protocol import (
     AdamParams,
@@ -61,6 +61,19 @@ def grads(be, aid: str) -> dict[str, torch.Tensor | None]:
     }
 
 
+def assert_grads_close(g: dict, h: dict, what: object = None) -> None:
+    """Gradients of one adapter from two float32 computations of the same rows (one fused batch vs
+    one call per adapter, or micro-batches). The rows meet different padding and GEMM blockings,
+    so sums are rounded in another order; an absolute bound of 1e-6 broke on another CPU (1.67e-6
+    on a gradient of scale 14.9). Measured here (2026-12-03): 0 to 2.8e-7 x the largest gradient
+    entry (about 1-2 float32 ulps). The bound, 2e-6 x scale, leaves a 7x margin and is still four
+    orders below what a wrong or missing row does (>= 1e-2 x scale)."""
+    diff = max(float((g[k] - t).abs().max()) for k, t in h.items())
+    scale = max(float(t.abs().max()) for t in h.values())
+    assert scale > 1e-3, (what, scale)  # not vacuous
+    assert diff <= 2e-6 * scale, (what, diff, scale)
+
+
 def assert_same_output(o1: ForwardBackwardOutput, o2: ForwardBackwardOutput) -> None:
     assert set(o1.metrics) == set(o2.metrics)
     for k, v in o1.metrics.items():
@@ -87,12 +100,7 @@ def test_fused_gradients_equal_separate_calls(tiny_model_dir: Path, budget: int)
         assert fused.has_pending_grad(aid) and alone.has_pending_grad(aid)
         g_fused, g_alone = grads(fused, aid), grads(alone, aid)
         assert all(g is not None for g in g_fused.values())
-        diff = max(float((g_fused[k] - g).abs().max()) for k, g in g_alone.items())
-        scale = max(float(g.abs().max()) for g in g_alone.values())
-        assert scale > 1e-3  # not vacuous
-        # One pass: max abs diff <= 1e-6. Micro-batches sum the gradient in another order, so
-        # there the bound is relative to the gradient's size (float32 rounding, ~1e-7).
-        assert diff <= 1e-6 * (1.0 if budget > 1000 else max(1.0, scale)), (aid, diff, scale)
+        assert_grads_close(g_fused, g_alone, aid)
     # the default implementation (one call per item) gives the same results
     plain = make_backend(tiny_model_dir)
     for (aid, _), o1, o2 in zip(
@@ -186,8 +194,7 @@ def test_bad_item_fails_alone(tiny_model_dir: Path) -> None:
     for k in (0, 2):
         aid, inp = items[k]
         assert_same_output(results[k], ref.forward_backward(aid, inp))
-        g, h = grads(be, aid), grads(ref, aid)
-        assert max(float((g[n] - h[n]).abs().max()) for n in g) <= 1e-6
+        assert_grads_close(grads(be, aid), grads(ref, aid), aid)
 
 
 def test_compute_failure_fails_its_pass_and_keeps_pending_gradients(tiny_model_dir: Path) -> None:

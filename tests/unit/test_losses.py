@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.backends.lora import adapter_parameters
 from engine.backends.losses import LOSSES
-from engine.backends.transformers_backend import TransformersTrainingBackend
+from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import UserInputError
 from engine.protocol import (
     AdamParams,

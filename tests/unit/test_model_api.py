@@ -12,8 +12,8 @@ import torch
 
 from engine.backends.lora import adapter_parameters
 from engine.errors import AdapterNotFoundError, UserInputError
-from engine.model import TRAIN_CONFIG_FILE, MultiLoraTransformersModel
-from engine.model_inputs import to_datums
+from engine.local.inputs import to_datums
+from engine.local.model import TRAIN_CONFIG_FILE, MultiLoraTransformersModel
 from engine.protocol import DatumInput
 
 TEXTS = [

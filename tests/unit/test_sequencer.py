@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engine.errors import UserInputError
-from engine.sequencer import Sequencer
+from engine.scheduling.sequencer import Sequencer
 
 
 def test_out_of_order_requests_run_in_seq_order():

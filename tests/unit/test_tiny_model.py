@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.base_models import TINY_MODEL_NAME, resolve_model_dir, tiny
 from engine.errors import ConfigError
-from engine.models import TINY_MODEL_NAME, resolve_model_dir, tiny
 
 
 def _hashes(d: Path) -> dict[str, str]:

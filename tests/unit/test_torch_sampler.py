@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine.backends.lora import adapter_parameters, add_adapter, inject_multi_lora, save_adapter
-from engine.backends.torch_sampler import TorchSamplingBackend, _filter_logits
-from engine.backends.transformers_backend import TransformersTrainingBackend
+from engine.backends.sample_torch import TorchSamplingBackend, _filter_logits
+from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import CheckpointError, UserInputError
 from engine.protocol import (
     AdamParams,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.backends.transformers_backend import TransformersTrainingBackend
+from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import AdapterNotFoundError, CheckpointError, UserInputError
 from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec
 

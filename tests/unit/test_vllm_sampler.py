@@ -11,7 +11,7 @@ Runs only where ``vllm`` is importable: a GPU machine with the `gpu` extra, or t
 from scripts/vllm_cpu_venv.sh (`.venv-vllm/bin/python -m pytest tests/unit/test_vllm_sampler.py`).
 Elsewhere these tests skip, except `test_vllm_sampler_type_without_vllm_is_a_clear_error`.
 
-The model is the tiny chat model (engine/models/tiny.py) with its attention re-read as 2 heads of
+The model is the tiny chat model (engine/base_models/tiny.py) with its attention re-read as 2 heads of
 32 (1 KV head of 32) instead of 4 of 16 (2 KV heads of 16): the weight shapes are the same, but
 vLLM's CPU attention has no head size 16 (it supports 32, 64, ...). Both samplers load that folder.
 One vLLM engine serves the whole module (its start-up takes ~25 s on CPU).
@@ -170,7 +170,7 @@ def vllm_sampler(model_dir: Path):
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }.items():
         os.environ.setdefault(k, v)
-    from engine.backends.vllm_sampler import VllmSamplingBackend
+    from engine.backends.sample_vllm import VllmSamplingBackend
 
     args = dict(VLLM_TEST_ARGS, max_model_len=512)
     # 2 adapters per step and 2 cached: the 4-adapter batch makes vLLM evict and reload
@@ -356,7 +356,7 @@ def test_sampler_service_builds_the_vllm_backend_from_config(vllm_sampler, model
     """`sampler_type: vllm` through the Sampler service (its worker thread builds the engine)."""
     import asyncio
 
-    from engine.backends.vllm_sampler import VllmSamplingBackend
+    from engine.backends.sample_vllm import VllmSamplingBackend
     from engine.config import ModelConfig
     from engine.sampler import Sampler
 
@@ -401,7 +401,7 @@ def test_sampler_type_config_and_lazy_import() -> None:
     import subprocess
     import sys
 
-    from engine.config import ServerConfig
+    from gateway.config import ServerConfig
 
     ok = ServerConfig.from_dict(
         {
@@ -418,6 +418,6 @@ def test_sampler_type_config_and_lazy_import() -> None:
     assert ServerConfig.from_dict({}).models[0].sampler_type == "torch"
     with pytest.raises(ConfigError, match=r"models\.0\.sampler_type"):
         ServerConfig.from_dict({"models": [{"name": "twinkle/tiny-chat", "sampler_type": "tgi"}]})
-    code = "import sys, engine.sampler, engine.backends.vllm_sampler; print('vllm' in sys.modules)"
+    code = "import sys, engine.sampler, engine.backends.sample_vllm; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,0 +1,208 @@
+"""Sampling backend on plain torch + HF transformers (KV-cached decoding, CPU or one GPU).
+
+Owns its own copy of the base model with MultiLoraLinear layers, an LRU cache of adapters loaded
+from checkpoint directories (PEFT files), request validation, and `sample_many`: many requests
+(different tenants, adapters, prompt lengths and sampling params) decoded together in one batch by
+`engine.backends.sample_decode.decode_batch` - greedy or temperature/top-k/top-p sampling from a
+per-request seeded generator, stop tokens / EOS / stop strings, raw (temperature-1) token logprobs,
+and prompt logprobs. `sample` is `sample_many` of one request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+
+import torch
+
+from engine.backends.base import SamplingBackend
+from engine.backends.lora import (
+    ADAPTER_WEIGHTS_NAME,
+    inject_multi_lora,
+    load_adapter,
+    remove_adapter,
+)
+from engine.backends.sample_checks import validate_sample_input
+from engine.backends.sample_decode import RequestState, decode_batch
+from engine.backends.sample_decode import filter_logits as _filter_logits  # noqa: F401 (tests)
+from engine.errors import CheckpointError, EngineError
+from engine.protocol import SampleInput, SampleOutput
+
+#: the prompt_alt_tokens draws of a seeded request use this seed XOR the request seed
+ALT_SEED_XOR = 0x5EED_A17
+
+
+class TorchSamplingBackend(SamplingBackend):
+    """Generates from the base model or from adapter checkpoint directories."""
+
+    def __init__(self, model_dir: str, *, max_cached_adapters: int = 32) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        inject_multi_lora(self.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = self.model.config
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.device = self.model.get_input_embeddings().weight.device
+        self.max_cached_adapters = max(1, int(max_cached_adapters))
+        # (realpath, mtime_ns, size) of adapter_model.safetensors → internal adapter id; the stat
+        # parts make a directory rewritten in place load afresh instead of serving stale weights.
+        self._cache: OrderedDict[tuple[str, int, int], str] = OrderedDict()
+        self._next_id = 0
+        self._retired: list[str] = []  # replaced in place while pinned; unloaded after the batch
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else next(iter(self.eos_ids), 0))
+
+    # ------------------------------------------------------------------------------- adapters
+
+    def _adapter_id(self, adapter_dir: str, pinned: set[str] | None = None) -> str:
+        """Internal id of the adapter in ``adapter_dir``, loading it if needed. Ids in ``pinned``
+        (used by the batch being assembled) are never evicted or unloaded here: the cache may
+        then exceed its size until `_trim_cache` runs after the batch."""
+        pinned = pinned if pinned is not None else set()
+        path = os.path.realpath(adapter_dir)
+        try:
+            st = (Path(path) / ADAPTER_WEIGHTS_NAME).stat()
+        except OSError:
+            raise CheckpointError(f"adapter checkpoint {adapter_dir} not found") from None
+        key = (path, st.st_mtime_ns, st.st_size)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        for stale in [k for k in self._cache if k[0] == path]:
+            stale_id = self._cache.pop(stale)
+            if stale_id in pinned:  # an earlier request of this batch uses the old weights
+                self._retired.append(stale_id)
+            else:
+                remove_adapter(self.model, stale_id)
+        adapter_id = f"sampler-{self._next_id}"
+        self._next_id += 1
+        load_adapter(self.model, adapter_id, path)
+        self._cache[key] = adapter_id
+        self._trim_cache(pinned | {adapter_id})
+        return adapter_id
+
+    def _trim_cache(self, pinned: AbstractSet[str] = frozenset()) -> None:
+        """Evict least recently used adapters beyond the cache size, except pinned ones."""
+        for stale_id in [a for a in self._retired if a not in pinned]:
+            self._retired.remove(stale_id)
+            remove_adapter(self.model, stale_id)
+        excess = len(self._cache) - self.max_cached_adapters
+        for key in list(self._cache):
+            if excess <= 0:
+                break
+            if self._cache[key] not in pinned:
+                remove_adapter(self.model, self._cache.pop(key))
+                excess -= 1
+
+    def cached_adapter_dirs(self) -> list[str]:
+        """Adapter directories currently loaded, least recently used first."""
+        return [k[0] for k in self._cache]
+
+    # ------------------------------------------------------------------------------- validation
+
+    def _validate(self, inp: SampleInput) -> None:
+        validate_sample_input(
+            inp, vocab_size=self.vocab_size, max_positions=self.max_positions, logprob_extras=True
+        )
+
+    # ------------------------------------------------------------------------------- decoding
+
+    def _make_generator(self, seed: int | None) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        if seed is None:
+            gen.seed()  # nondeterministic, and leaves the global RNG alone
+        else:
+            gen.manual_seed(int(seed) % (1 << 64))
+        return gen
+
+    def _hits_stop_string(self, tokens: list[int], stops: list[str], window: int) -> bool:
+        # Every token decodes to at least one byte, so a stop string of b bytes that ends in the
+        # newest token lies within the last b + 1 tokens (the +1 covers a split UTF-8 character).
+        text = self.tokenizer.decode(
+            tokens[-window:], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        return any(s in text for s in stops)
+
+    def _prepare(self, inp: SampleInput, pinned: set[str]) -> RequestState:
+        self._validate(inp)
+        p = inp.params
+        adapter = self._adapter_id(inp.adapter_dir, pinned) if inp.adapter_dir else None
+        if adapter is not None:
+            pinned.add(adapter)
+        stop_ids = {int(t) for t in p.stop_token_ids} | (self.eos_ids if p.stop_at_eos else set())
+        alt_gen = None
+        if inp.prompt_alt_tokens_k and p.temperature != 0:
+            # a seeded request's alternatives reproduce too, from a stream of their own
+            alt_gen = self._make_generator(None if p.seed is None else int(p.seed) ^ ALT_SEED_XOR)
+        return RequestState(
+            inp=inp,
+            adapter=adapter,
+            prompt=[int(t) for t in inp.prompt_tokens],
+            stop_ids=stop_ids,
+            generator=None if p.temperature == 0 else self._make_generator(p.seed),
+            alt_gen=alt_gen,
+        )
+
+    @torch.no_grad()
+    def sample_many(
+        self,
+        inputs: Sequence[SampleInput],
+        listeners: Sequence[Callable[[int, int, float], None] | None] | None = None,
+    ) -> list[SampleOutput | EngineError]:
+        """Decode all ``inputs`` (any adapters, prompt lengths and params) in one batch.
+
+        ``listeners[i]``, when given, is called with (sample index, token, logprob) for each token
+        of input i as soon as it is generated (streaming).
+
+        Slot i gets input i's output, or the EngineError that input alone raised (validation,
+        a missing or bad checkpoint); a failing input does not stop the others. Every output
+        equals what `sample` of that input alone gives (see sampler_decode). Unexpected backend
+        failures raise.
+        """
+        results: list[SampleOutput | EngineError | None] = [None] * len(inputs)
+        ready: list[tuple[int, RequestState]] = []
+        pinned: set[str] = set()
+        try:
+            for i, inp in enumerate(inputs):
+                try:
+                    state = self._prepare(inp, pinned)
+                    state.listener = listeners[i] if listeners is not None else None
+                    ready.append((i, state))
+                except EngineError as e:
+                    results[i] = e
+            # adapter order (base rows first, then adapters in order of first appearance), then
+            # input order: each adapter's rows form one contiguous routing segment
+            first: dict[str | None, int] = {None: -1}
+            for _, r in ready:
+                first.setdefault(r.adapter, len(first))
+            ready.sort(key=lambda t: (first[t[1].adapter], t[0]))
+            decode_batch(
+                self.model,
+                [r for _, r in ready],
+                pad_id=self.pad_id,
+                device=self.device,
+                hits_stop=self._hits_stop_string,
+            )
+        finally:
+            self._trim_cache()
+        for i, r in ready:
+            results[i] = r.output()
+        return results  # type: ignore[return-value]
+
+    def sample(self, inp: SampleInput) -> SampleOutput:
+        """Generate ``inp.num_samples`` sequences for one prompt (raises its EngineError)."""
+        out = self.sample_many([inp])[0]
+        if isinstance(out, EngineError):
+            raise out
+        return out

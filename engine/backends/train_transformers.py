@@ -1,0 +1,408 @@
+"""Training backend on plain HF transformers + our multi-adapter LoRA (CPU or one GPU).
+
+Owns one frozen float32 base model and, per adapter, its LoRA parameters, its own AdamW, its step
+count and whether a gradient is pending; running requests (one adapter's, or several adapters'
+fused into one padded batch: rows of all adapters, one base GEMM, `lora_routing` segments per
+adapter, one backward of the sum of their losses), gradient accumulation across calls, AdamW steps
+with optional clipping, and save/load of adapters. Input validation and padding live in
+`batching`, the loss math in `losses`, the checkpoint layout in `checkpoint_io`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import groupby
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.backends import checkpoint_io as ckpt
+from engine.backends import losses
+from engine.backends.base import TrainingBackend
+from engine.backends.lora import (
+    adapter_parameters,
+    add_adapter,
+    inject_multi_lora,
+    load_adapter_weights,
+    lora_routing,
+    remove_adapter,
+    save_adapter,
+)
+from engine.backends.train_batching import Datum, Request, micro_batches, pad_rows, validate_request
+from engine.errors import (
+    AdapterNotFoundError,
+    BackendError,
+    CheckpointError,
+    EngineError,
+    UserInputError,
+)
+from engine.protocol import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    LoraSpec,
+    OptimStepOutput,
+)
+
+log = logging.getLogger(__name__)
+KNOWN_LOSSES = losses.KNOWN_LOSSES
+
+
+@dataclass
+class _Adapter:
+    spec: LoraSpec
+    params: dict[str, nn.Parameter]  # PEFT name → parameter, in optimizer order
+    optimizer: torch.optim.AdamW
+    step: int = 0
+    has_grad: bool = False
+
+
+@dataclass
+class _Job:
+    """One adapter's validated request inside a (possibly fused) run, and its results so far."""
+
+    slot: int
+    adapter_id: str
+    req: Request
+    outputs: list[dict[str, np.ndarray]]
+    metrics: losses.MetricSums = field(default_factory=losses.MetricSums)
+
+    def result(self) -> ForwardBackwardOutput:
+        return ForwardBackwardOutput(outputs=self.outputs, metrics=self.metrics.result())
+
+
+def _new_optimizer(params: dict[str, nn.Parameter]) -> torch.optim.AdamW:
+    # foreach=False: the single-tensor path gives bit-reproducible results across runs.
+    return torch.optim.AdamW(list(params.values()), lr=1e-4, foreach=False)
+
+
+def _shape(spec: LoraSpec) -> tuple:
+    return (spec.rank, spec.alpha, spec.train_attn, spec.train_mlp, spec.train_unembed)
+
+
+class TransformersTrainingBackend(TrainingBackend):
+    """Many LoRA adapters over one frozen HF causal LM; one or several adapters per pass."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        max_lora_rank: int = 64,
+        base_model_name: str = "",
+        max_batch_tokens: int = 16384,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()  # no dropout: results must not depend on RNG
+        self.model.requires_grad_(False)
+        inject_multi_lora(self.model)
+        config = self.model.config
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.max_lora_rank = int(max_lora_rank)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.base_model_name = base_model_name or str(model_dir)
+        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
+        #: padded tokens per forward pass; larger inputs are split into micro-batches
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.device = self.model.get_input_embeddings().weight.device
+        self._adapters: dict[str, _Adapter] = {}
+
+    # ------------------------------------------------------------------------------- adapters
+
+    def _check_spec(self, spec: LoraSpec, error: type[Exception]) -> None:
+        r = spec.rank
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1 or r & (r - 1):
+            raise error(f"lora_config.rank {r!r} must be a power of 2 (1, 2, 4, ...)")
+        if r > self.max_lora_rank:
+            raise error(
+                f"lora_config.rank {r} exceeds max LoRA rank {self.max_lora_rank} "
+                f"for model {self.base_model_name}"
+            )
+        a = spec.alpha
+        if not (isinstance(a, (int, float)) and math.isfinite(a) and a > 0):
+            raise error(f"lora_config.alpha {a!r} must be a positive finite number")
+        if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
+            raise error("lora_config: one of train_attn, train_mlp, train_unembed must be true")
+
+    def _get(self, adapter_id: str) -> _Adapter:
+        try:
+            return self._adapters[adapter_id]
+        except KeyError:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} is not loaded") from None
+
+    def _create(self, adapter_id: str, spec: LoraSpec) -> _Adapter:
+        add_adapter(self.model, adapter_id, spec)
+        params = adapter_parameters(self.model, adapter_id)
+        st = _Adapter(spec=spec, params=params, optimizer=_new_optimizer(params))
+        self._adapters[adapter_id] = st
+        return st
+
+    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        if not isinstance(adapter_id, str) or not adapter_id:
+            raise UserInputError("adapter_id: must be a non-empty string")
+        if adapter_id in self._adapters:
+            raise UserInputError(
+                f"adapter_id {adapter_id!r}: an adapter with this id exists already"
+            )
+        self._check_spec(spec, UserInputError)
+        self._create(adapter_id, spec)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self._adapters
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        if self._adapters.pop(adapter_id, None) is not None:
+            remove_adapter(self.model, adapter_id)
+
+    def adapter_spec(self, adapter_id: str) -> LoraSpec:
+        return self._get(adapter_id).spec
+
+    def has_pending_grad(self, adapter_id: str) -> bool:
+        """True between a non-forward_only forward_backward and the next optim_step (False for an
+        adapter that is not loaded: it holds no gradient here)."""
+        st = self._adapters.get(adapter_id)
+        return bool(st is not None and st.has_grad)
+
+    # ------------------------------------------------------------------------------- forward
+
+    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> _Job:
+        self._get(adapter_id)
+        req = validate_request(inp, self.vocab_size, self.max_positions)
+        return _Job(slot, adapter_id, req, outputs=[{} for _ in req.data])
+
+    def validate_input(self, inp: ForwardBackwardInput) -> None:
+        """Raise the UserInputError the request would fail with, without computing anything
+        (the Trainer checks a whole request before running it in slices)."""
+        validate_request(inp, self.vocab_size, self.max_positions)
+
+    def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
+        job = self._prepare(0, adapter_id, inp)
+        self._execute([job], grad=not job.req.forward_only)
+        return job.result()
+
+    def forward_backward_many(
+        self, items: Sequence[tuple[str, ForwardBackwardInput]]
+    ) -> list[ForwardBackwardOutput | EngineError]:
+        """Several adapters' requests in one fused pass (see the module docstring). Each slot gets
+        its output or its own EngineError (a bad item does not stop the others); a compute failure
+        fails every item of its pass (training items, or forward_only items) and leaves their
+        accumulated gradients as they were. Duplicate adapter ids raise ValueError."""
+        seen: set[str] = set()
+        for aid, _ in items:
+            if aid in seen:
+                raise ValueError(f"forward_backward_many: adapter {aid!r} appears more than once")
+            seen.add(aid)
+        results: list[ForwardBackwardOutput | EngineError | None] = [None] * len(items)
+        jobs: list[_Job] = []
+        for slot, (aid, inp) in enumerate(items):
+            try:
+                jobs.append(self._prepare(slot, aid, inp))
+            except EngineError as e:
+                results[slot] = e
+        for grad in (True, False):
+            group = [j for j in jobs if j.req.forward_only != grad]
+            if not group:
+                continue
+            try:
+                self._execute(group, grad=grad)
+            except EngineError as e:
+                err: EngineError = e
+            except Exception as e:
+                log.exception("fused forward_backward failed")
+                err = BackendError(f"forward_backward failed: {type(e).__name__}: {e}")
+                err.__cause__ = e
+            else:
+                for j in group:
+                    results[j.slot] = j.result()
+                continue
+            for j in group:
+                results[j.slot] = err
+        return results  # type: ignore[return-value]
+
+    def _execute(self, jobs: list[_Job], *, grad: bool) -> None:
+        """Run ``jobs`` (distinct adapters) as padded micro-batches; with ``grad``, add each loss's
+        gradient to its adapter's accumulated gradient (all or nothing)."""
+        units = [(j, u) for j, job in enumerate(jobs) for u in job.req.units]
+        lengths = [[jobs[j].req.data[i].tokens.shape[0] for i in u] for j, u in units]
+        # A gradient pending from earlier calls is set aside and added back at the end, so a
+        # failure half-way leaves it exactly as it was.
+        stash = [(p, p.grad) for j in jobs for p in self._get(j.adapter_id).params.values()]
+        if grad:
+            for p, _ in stash:
+                p.grad = None
+        try:
+            with torch.set_grad_enabled(grad):
+                for mb in micro_batches(lengths, self.max_batch_tokens):
+                    self._micro_batch(jobs, [units[k] for k in mb], grad)
+        except BaseException:
+            if grad:
+                for p, g in stash:
+                    p.grad = g
+            raise
+        if grad:
+            with torch.no_grad():
+                for p, g in stash:
+                    if g is not None:
+                        p.grad = g if p.grad is None else g.add_(p.grad)
+            for j in jobs:
+                self._get(j.adapter_id).has_grad = True
+
+    def _logprobs(self, rows: list[Datum]) -> torch.Tensor:
+        """log p(targets) [B, T, K] of right-padded rows, under the current LoRA routing."""
+        ids, mask, tgt = pad_rows(rows, self.pad_id, self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        return logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+    def _micro_batch(self, jobs: list[_Job], units: list[tuple[int, list[int]]], grad: bool):
+        rows = [(j, i) for j, u in units for i in u]  # rows of one job are contiguous
+        datums = [jobs[j].req.data[i] for j, i in rows]
+        ref: dict[int, torch.Tensor] = {}
+        need_ref = [
+            r
+            for r, (j, i) in enumerate(rows)
+            if jobs[j].req.loss.paired and "ref_logprobs" not in datums[r].inputs
+        ]
+        if need_ref:  # DPO without given reference logprobs: the base model's, no gradient
+            with torch.no_grad(), lora_routing(self.model, []):
+                base = self._logprobs([datums[r] for r in need_ref])
+            ref = {r: base[s, : datums[r].tokens.shape[0], 0] for s, r in enumerate(need_ref)}
+        segments, start = [], 0
+        for j, group in groupby(rows, key=lambda row: row[0]):
+            n = len(list(group))
+            if not jobs[j].req.disable_lora:
+                segments.append((jobs[j].adapter_id, start, start + n))
+            start += n
+        with lora_routing(self.model, segments):
+            logp = self._logprobs(datums)
+        total: torch.Tensor | None = None
+        start = 0
+        for j, group in groupby(rows, key=lambda row: row[0]):
+            idx = [i for _, i in group]
+            lps = [
+                logp[start + k, : d.targets.shape[0], : d.targets.shape[1]]
+                for k, d in enumerate(jobs[j].req.data[i] for i in idx)
+            ]
+            refs = [ref.get(start + k) for k in range(len(idx))]
+            job = jobs[j]
+            loss = losses.request_loss(
+                job.req, idx, lps, refs, job.outputs, job.metrics, self.device
+            )
+            total = loss if total is None else total + loss
+            start += len(idx)
+        if grad and total is not None and total.requires_grad:
+            total.backward()
+
+    # ------------------------------------------------------------------------------- optimizer
+
+    @staticmethod
+    def _check_adam(p: AdamParams) -> None:
+        in_01 = (lambda v: 0 <= v < 1, "in [0, 1)")
+        non_neg = (lambda v: v >= 0, ">= 0")
+        rules = {
+            "learning_rate": non_neg,
+            "beta1": in_01,
+            "beta2": in_01,
+            "eps": (lambda v: v > 0, "> 0"),
+            "weight_decay": non_neg,
+            "grad_clip_norm": non_neg,
+        }
+        for name, (ok, rule) in rules.items():
+            v = getattr(p, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and ok(v)):
+                raise UserInputError(f"adam_params.{name} {v!r} must be a finite number {rule}")
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
+        st = self._get(adapter_id)
+        self._check_adam(params)
+        if not st.has_grad:
+            raise UserInputError(
+                "optim_step: no gradient accumulated since the last optim_step; "
+                "call forward_backward first"
+            )
+        plist = list(st.params.values())
+        for p in plist:  # a parameter unused in the graph gets a zero gradient, not a skipped step
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        with torch.no_grad():
+            norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in plist))
+            if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+                coef = params.grad_clip_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+                for p in plist:
+                    p.grad.mul_(coef)
+        for group in st.optimizer.param_groups:
+            group["lr"] = float(params.learning_rate)
+            group["betas"] = (float(params.beta1), float(params.beta2))
+            group["eps"] = float(params.eps)
+            group["weight_decay"] = float(params.weight_decay)
+        st.optimizer.step()
+        st.optimizer.zero_grad(set_to_none=True)
+        st.step += 1
+        st.has_grad = False
+        return OptimStepOutput(
+            metrics={
+                "grad_norm": norm,
+                "learning_rate": float(params.learning_rate),
+                "step": float(st.step),
+            }
+        )
+
+    # ------------------------------------------------------------------------------- checkpoints
+
+    def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
+        st = self._get(adapter_id)
+
+        def fill(tmp: Path) -> None:
+            save_adapter(self.model, adapter_id, st.spec, tmp, self.base_model_name)
+            ckpt.write_state(tmp, st.spec, st.step, include_optimizer, self.base_model_name)
+            if include_optimizer:
+                state = ckpt.optimizer_state_by_name(list(st.params), st.optimizer)
+                torch.save(state, tmp / ckpt.OPTIMIZER_FILE)
+
+        return ckpt.write_checkpoint_dir(Path(directory), fill)
+
+    def load_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> LoraSpec:
+        path = Path(directory)
+        files = ckpt.verify_manifest(path)
+        spec, step = ckpt.read_state(path)
+        saved_opt = ckpt.read_optimizer(path, files, self.device) if include_optimizer else None
+        created = adapter_id not in self._adapters
+        if created:
+            self._check_spec(spec, CheckpointError)
+            st = self._create(adapter_id, spec)
+        else:
+            st = self._adapters[adapter_id]
+            if _shape(st.spec) != _shape(spec):  # the seed may differ: it only matters at init
+                raise CheckpointError(
+                    f"checkpoint {path} (rank {spec.rank}, alpha {spec.alpha}) does not match "
+                    f"adapter {adapter_id!r} (rank {st.spec.rank}, alpha {st.spec.alpha}) or its "
+                    "target modules"
+                )
+        try:
+            # Everything that can fail on a bad file runs before the adapter is modified.
+            optimizer = _new_optimizer(st.params)
+            if saved_opt is not None:
+                try:
+                    optimizer.load_state_dict(
+                        ckpt.optimizer_state_by_index(list(st.params), saved_opt, path)
+                    )
+                except (ValueError, RuntimeError) as e:
+                    raise CheckpointError(f"checkpoint {path}: bad optimizer state: {e}") from None
+            load_adapter_weights(self.model, adapter_id, path)
+            for p in st.params.values():
+                p.grad = None
+            st.optimizer = optimizer
+            # A weights-only load starts a fresh optimizer, so its step count restarts too.
+            st.step = step if saved_opt is not None else 0
+            st.has_grad = False
+        except BaseException:
+            if created:
+                self.delete_adapter(adapter_id)
+            raise
+        return st.spec

@@ -1,0 +1,428 @@
+"""In-process training API: `MultiLoraTransformersModel`, upstream Twinkle's local model class.
+
+Owns per-adapter training configuration (loss, AdamW hyper-parameters, LR schedule, gradient
+accumulation, template/processor) on top of one `TransformersTrainingBackend`, the same engine code
+the server runs. Method names and keywords mirror upstream Twinkle, so the remote client can expose
+the same surface and a script switches between local and remote by changing an import.
+
+Documented choices (they differ from upstream where the engine follows Tinker):
+
+* Losses are sums over weighted tokens (Tinker semantics), never means. Gradient accumulation
+  therefore sums: with ``gradient_accumulation_steps=k`` the optimizer runs on every k-th call of
+  `step`, with the sum of the gradients of the forward_backward calls since the last applied step,
+  which equals one step on the concatenated batch. Nothing is divided by k. Inside an accumulation
+  window `zero_grad` and `lr_step` are no-ops (as upstream), so the usual loop
+  ``forward_backward(...); clip_grad_and_step()`` works for any k.
+* forward_backward returns ``{"loss", "loss_sum", "num_tokens", "logprobs", "elementwise_loss",
+  "metrics"}``: ``loss`` is ``loss_sum / num_tokens`` (weighted-token mean) for cross_entropy and
+  ``loss_sum`` for every other loss; ``num_tokens`` is the sum of the weights.
+* HF-style datums are shifted like HF's causal-LM loss (see `engine.local.inputs`).
+* Losses are the backend's (cross_entropy, importance_sampling, ppo, cispo, dro, dpo); upstream
+  names map onto them, ``GRPOLoss`` onto ``ppo`` (see `engine.local.training_config.resolve_loss`).
+* The backend fuses forward, loss and backward: `forward` runs without gradient and caches its
+  inputs, `calculate_loss` returns that forward's loss, `backward` runs forward_backward on the
+  cached inputs (a second forward pass).
+* `clip_grad_norm` records the clip for the next applied step (the backend clips inside its
+  optimizer step, over the whole accumulated gradient) and returns the current, unclipped norm
+  of the accumulated gradient (None if the backend gives no access to the gradients).
+* Encoding (templates, processors) happens client-side: `set_template` / `set_processor` only
+  record what the data toolkit uses; inputs must already be token ids.
+
+Not thread-safe: drive one instance from one thread.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from engine.backends.base import TrainingBackend
+from engine.errors import AdapterNotFoundError, ConfigError, UserInputError
+from engine.local.adapter_state import (
+    TRAIN_CONFIG_FILE,
+    AdapterState,
+    MetricAcc,
+    check_count,
+    checkpoint_dir,
+    pass_result,
+)
+from engine.local.inputs import to_datums
+from engine.local.training_config import (
+    check_clip,
+    lora_spec_from_config,
+    make_schedule,
+    optimizer_config,
+    resolve_loss,
+)
+from engine.protocol import AdamParams, ForwardBackwardInput
+
+DEFAULT_ADAPTER = "default"
+__all__ = ["DEFAULT_ADAPTER", "TRAIN_CONFIG_FILE", "MultiLoraTransformersModel", "default_data_dir"]
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("TWINKLE_DATA_DIR") or "./.twinkle").expanduser().absolute()
+
+
+class MultiLoraTransformersModel:
+    """Many LoRA adapters over one frozen HF causal LM, trained in process.
+
+    ``model_id``: a local HF folder, or a known model name ("twinkle/tiny-chat", built under
+    ``<data_dir>/models`` on first use). ``backend``: an existing TrainingBackend to drive instead
+    of loading one. ``data_dir`` defaults to ``$TWINKLE_DATA_DIR`` or ``./.twinkle``.
+    """
+
+    def __init__(
+        self,
+        model_id: str | os.PathLike,
+        *,
+        max_lora_rank: int = 64,
+        backend: TrainingBackend | None = None,
+        data_dir: str | os.PathLike | None = None,
+    ):
+        self.model_id = str(model_id)
+        self.data_dir = Path(data_dir).absolute() if data_dir is not None else default_data_dir()
+        if backend is None:
+            from engine.backends.train_transformers import TransformersTrainingBackend
+            from engine.base_models.registry import resolve_model_dir
+
+            local = Path(self.model_id).expanduser()
+            try:
+                model_dir = (
+                    local if local.is_dir() else resolve_model_dir(self.model_id, self.data_dir)
+                )
+            except ConfigError as e:
+                raise UserInputError(f"model_id: {e}") from None
+            backend = TransformersTrainingBackend(
+                str(model_dir), max_lora_rank=max_lora_rank, base_model_name=self.model_id
+            )
+        self.backend = backend
+        self._adapters: dict[str, AdapterState] = {}
+
+    # ------------------------------------------------------------------------------- adapters
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self._adapters)
+
+    def _st(self, adapter_name: str) -> AdapterState:
+        try:
+            return self._adapters[adapter_name]
+        except KeyError:
+            raise AdapterNotFoundError(
+                f"adapter {adapter_name!r} is not in this model (add_adapter_to_model first); "
+                f"adapters: {sorted(self._adapters) or 'none'}"
+            ) from None
+
+    def add_adapter_to_model(
+        self, adapter_name: str, config: Any, gradient_accumulation_steps: int = 1
+    ) -> None:
+        """Add a fresh adapter from a peft ``LoraConfig`` or dict (`lora_spec_from_config`), or
+        from a checkpoint directory written by `save` (weights only)."""
+        gas = gradient_accumulation_steps
+        if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
+            raise UserInputError(f"gradient_accumulation_steps {gas!r} must be an integer >= 1")
+        if adapter_name in self._adapters:
+            raise UserInputError(f"adapter_name {adapter_name!r}: this adapter exists already")
+        if isinstance(config, (str, os.PathLike)):
+            self.load(str(config), adapter_name=adapter_name)
+            self._adapters[adapter_name].gas = gas
+            return
+        spec = lora_spec_from_config(config)
+        self.backend.create_adapter(adapter_name, spec)
+        self._adapters[adapter_name] = AdapterState(spec=spec, gas=gas)
+
+    def remove_adapter(self, adapter_name: str = DEFAULT_ADAPTER) -> None:
+        """Drop the adapter, its optimizer state and its configuration (no-op if absent)."""
+        self._adapters.pop(adapter_name, None)
+        self.backend.delete_adapter(adapter_name)
+
+    def set_template(self, template: Any, *, adapter_name: str = DEFAULT_ADAPTER, **kwargs) -> None:
+        """Record the chat template (name or object) the client-side data toolkit encodes with."""
+        self._st(adapter_name).template = (template, kwargs) if kwargs else template
+
+    def set_processor(
+        self, processor: Any, *, adapter_name: str = DEFAULT_ADAPTER, **kwargs
+    ) -> None:
+        """Record the input processor (name or object) the client-side data toolkit uses."""
+        self._st(adapter_name).processor = (processor, kwargs) if kwargs else processor
+
+    # ------------------------------------------------------------------------------- configuration
+
+    def set_loss(self, loss: Any, *, adapter_name: str = DEFAULT_ADAPTER, **kwargs) -> None:
+        """Loss by name, class or instance; kwargs become the loss_fn_config (`resolve_loss`)."""
+        st = self._st(adapter_name)
+        st.loss = resolve_loss(loss, kwargs)
+
+    def set_optimizer(
+        self,
+        optimizer: Any = "AdamW",
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        lr: float | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        **kwargs,
+    ) -> None:
+        """AdamW hyper-parameters for later steps (defaults lr 1e-4, betas (0.9, 0.95), eps 1e-12,
+        weight_decay 0, decoupled). The optimizer state is kept; only the values change."""
+        st = self._st(adapter_name)
+        st.optim = optimizer_config(optimizer, lr, betas, eps, weight_decay, kwargs)
+
+    def set_lr_scheduler(
+        self, scheduler: Any, *, adapter_name: str = DEFAULT_ADAPTER, **kwargs
+    ) -> None:
+        """Schedule: "constant" (warmup_steps), "linear" (warmup_steps, total_steps), "cosine"
+        (warmup_steps, total_steps, min_lr_ratio or min_lr) or a callable step -> multiplier
+        (`LrSchedule`); it restarts at position 0."""
+        st = self._st(adapter_name)
+        st.schedule, st.sched_t = make_schedule(scheduler, kwargs), 0
+
+    def get_train_configs(self, *, adapter_name: str = DEFAULT_ADAPTER) -> dict[str, Any]:
+        """The adapter's LoRA config, gradient accumulation, loss, optimizer, LR schedule (and its
+        position / current lr), applied optimizer steps, template and processor."""
+        return {"model_id": self.model_id, **self._st(adapter_name).describe(adapter_name)}
+
+    # ------------------------------------------------------------------------------- passes
+
+    def _pass(self, adapter_name: str, inputs: Any, loss_kwargs: dict, mode: str) -> dict:
+        """mode: "train" (gradient, training metrics), "eval" (no gradient, evaluation metrics),
+        "forward" (no gradient, no metrics, inputs kept for `backward`); inputs may be the
+        DatumInputs `backward` cached."""
+        st = self._st(adapter_name)
+        data = to_datums(inputs)
+        name, loss_fn, config = st.loss
+        if loss_kwargs:
+            config = {**config, **resolve_loss(name, loss_kwargs)[2]}
+        inp = ForwardBackwardInput(data, loss_fn, config, forward_only=mode != "train")
+        res = pass_result(self.backend.forward_backward(adapter_name, inp), data, loss_fn)
+        st.last, st.cached = res, (data, loss_kwargs) if mode != "train" else None
+        if mode == "train":
+            st.pending_grad = True
+            st.train.record(res, len(data))
+        elif mode == "eval":
+            st.eval.record(res, len(data))
+        return res
+
+    def forward_backward(
+        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+    ) -> dict[str, Any]:
+        """Loss and gradient (added to the adapter's accumulated gradient) for one batch.
+        ``loss_kwargs`` override the set_loss config for this call only."""
+        return self._pass(adapter_name, inputs, loss_kwargs, "train")
+
+    def forward_only(
+        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+    ) -> dict[str, Any]:
+        """Loss and log-probs without gradient; counted in the evaluation metrics."""
+        return self._pass(adapter_name, inputs, loss_kwargs, "eval")
+
+    def forward(
+        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+    ) -> dict[str, Any]:
+        """First half of the two-phase style: a no-gradient pass whose inputs `backward` reuses.
+        Not counted in any metrics (the `backward` that follows is)."""
+        return self._pass(adapter_name, inputs, loss_kwargs, "forward")
+
+    def calculate_loss(self, *, adapter_name: str = DEFAULT_ADAPTER) -> float:
+        """The ``loss`` of the last forward / forward_only / forward_backward (no computation)."""
+        st = self._st(adapter_name)
+        if st.last is None:
+            raise UserInputError("calculate_loss: call forward (or forward_backward) first")
+        return float(st.last["loss"])
+
+    def backward(self, *, adapter_name: str = DEFAULT_ADAPTER) -> dict[str, Any]:
+        """Gradient of the last `forward`'s batch: runs forward_backward on its cached inputs."""
+        st = self._st(adapter_name)
+        if st.cached is None:
+            raise UserInputError("backward: call forward first (each forward allows one backward)")
+        data, loss_kwargs = st.cached
+        return self._pass(adapter_name, data, loss_kwargs, "train")
+
+    # ------------------------------------------------------------------------------- optimizer
+
+    def _grad_params(self, adapter_name: str) -> list | None:
+        model = getattr(self.backend, "model", None)
+        if model is None:
+            return None
+        from engine.backends.lora import adapter_parameters
+
+        return list(adapter_parameters(model, adapter_name).values())
+
+    def clip_grad_norm(
+        self,
+        max_grad_norm: float = 1.0,
+        norm_type: float = 2,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+    ) -> float | None:
+        """Clip the accumulated gradient to ``max_grad_norm`` at the next applied step (0 = off).
+        Returns the current unclipped L2 norm (0.0 without a gradient; None if unavailable)."""
+        st = self._st(adapter_name)
+        st.clip = check_clip(max_grad_norm, norm_type)
+        params = self._grad_params(adapter_name)
+        if params is None:
+            return None
+        if not st.pending_grad:
+            return 0.0
+        return math.sqrt(
+            sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
+        )
+
+    def step(self, *, adapter_name: str = DEFAULT_ADAPTER) -> dict[str, float] | None:
+        """Count one step; every ``gradient_accumulation_steps``-th call runs AdamW with lr =
+        base lr × schedule multiplier and returns its metrics (grad_norm, learning_rate, step).
+        Returns None while the accumulation window is open."""
+        st = self._st(adapter_name)
+        st.micro += 1
+        if st.micro < st.gas:
+            return None
+        st.micro = 0
+        if not st.pending_grad:
+            raise UserInputError(
+                "step: no gradient accumulated since the last step; call forward_backward first"
+            )
+        o = st.optim
+        params = AdamParams(
+            learning_rate=st.lr(),
+            beta1=o.betas[0],
+            beta2=o.betas[1],
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            grad_clip_norm=st.clip,
+        )
+        metrics = dict(self.backend.optim_step(adapter_name, params).metrics)
+        st.pending_grad, st.clip = False, 0.0
+        st.opt_steps += 1
+        if "grad_norm" in metrics:
+            st.train.grad_norms.append(float(metrics["grad_norm"]))
+        return metrics
+
+    def zero_grad(self, *, adapter_name: str = DEFAULT_ADAPTER) -> None:
+        """Drop the accumulated gradient; a no-op inside an accumulation window (as upstream)."""
+        st = self._st(adapter_name)
+        if st.micro != 0 or not st.pending_grad:
+            return
+        params = self._grad_params(adapter_name)
+        if params is None:
+            raise UserInputError("zero_grad: this backend cannot drop accumulated gradients")
+        for p in params:
+            p.grad = None
+        st.pending_grad = False
+
+    def lr_step(self, *, adapter_name: str = DEFAULT_ADAPTER) -> None:
+        """Advance the LR schedule by one; a no-op inside an accumulation window (as upstream)."""
+        st = self._st(adapter_name)
+        if st.micro == 0:
+            st.sched_t += 1
+
+    def clip_grad_and_step(
+        self,
+        max_grad_norm: float = 1.0,
+        norm_type: float = 2,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+    ) -> float | None:
+        """clip_grad_norm + step + zero_grad + lr_step; returns the unclipped grad norm."""
+        norm = self.clip_grad_norm(max_grad_norm, norm_type, adapter_name=adapter_name)
+        self.step(adapter_name=adapter_name)
+        self.zero_grad(adapter_name=adapter_name)
+        self.lr_step(adapter_name=adapter_name)
+        return norm
+
+    def calculate_metric(
+        self, is_training: bool = True, *, adapter_name: str = DEFAULT_ADAPTER
+    ) -> dict[str, float | None]:
+        """Metrics since the last call for training (forward_backward/backward) or evaluation
+        (forward_only) passes, then reset: loss (weighted-token mean for cross_entropy, mean per
+        batch otherwise), loss_sum, num_tokens, num_sequences, num_batches, grad_norm (mean over
+        applied steps, None if none), lr (current), step (applied optimizer steps)."""
+        st = self._st(adapter_name)
+        acc = st.train if is_training else st.eval
+        out = {
+            **acc.summary(token_mean=st.loss[1] == "cross_entropy"),
+            "lr": st.lr(),
+            "step": st.opt_steps,
+        }
+        if is_training:
+            st.train = MetricAcc()
+        else:
+            st.eval = MetricAcc()
+        return out
+
+    # ------------------------------------------------------------------------------- checkpoints
+
+    def save(
+        self,
+        name: str,
+        output_dir: str | os.PathLike | None = None,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        save_optimizer: bool = False,
+        consumed_train_samples: int | None = None,
+        is_sampler: bool = False,
+    ) -> str:
+        """Write a PEFT-format checkpoint to ``output_dir/name`` (default
+        ``<data_dir>/local_checkpoints/<adapter>/<name>``; it must not exist) plus the training
+        config (loss, optimizer, schedule position, ``consumed_train_samples`` for
+        `resume_from_checkpoint`). ``is_sampler``: weights for sampling only (no optimizer).
+        Pending accumulated gradients are not saved. Returns the directory."""
+        st = self._st(adapter_name)
+        if consumed_train_samples is not None:
+            st.consumed_train_samples = check_count(consumed_train_samples)
+        target = checkpoint_dir(self.data_dir, name, output_dir, adapter_name)
+        with_optimizer = bool(save_optimizer) and not is_sampler
+        self.backend.save_state(adapter_name, str(target), include_optimizer=with_optimizer)
+        st.write_train_config(target)
+        return str(target)
+
+    def resume_from_checkpoint(
+        self,
+        name: str,
+        output_dir: str | os.PathLike | None = None,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        resume_only_model: bool = False,
+    ) -> dict[str, Any]:
+        """`load` with the optimizer (weights only if ``resume_only_model``); returns where
+        training stands: ``cur_step`` (applied optimizer steps), ``consumed_train_samples`` (as
+        given to `save`, for the data loader to skip), ``lr_scheduler_position``."""
+        target = self.load(
+            name, output_dir, adapter_name=adapter_name, load_optimizer=not resume_only_model
+        )
+        st = self._st(adapter_name)
+        return {
+            "checkpoint": target,
+            "cur_step": st.opt_steps,
+            "consumed_train_samples": st.consumed_train_samples,
+            "lr_scheduler_position": st.sched_t,
+        }
+
+    def load(
+        self,
+        name: str,
+        output_dir: str | os.PathLike | None = None,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        load_optimizer: bool = False,
+    ) -> str:
+        """Load a checkpoint written by `save` (or by the server) into ``adapter_name``, creating
+        it if absent. With ``load_optimizer`` the AdamW state, optimizer settings, loss, gradient
+        accumulation and schedule position are restored (a callable schedule is not saved: the
+        current one is kept); without it only the weights are, and the schedule restarts."""
+        target = checkpoint_dir(self.data_dir, name, output_dir, adapter_name, loading=True)
+        spec = self.backend.load_state(
+            adapter_name, str(target), include_optimizer=bool(load_optimizer)
+        )
+        st = self._adapters.get(adapter_name)
+        if st is None:
+            st = self._adapters[adapter_name] = AdapterState(spec=spec)
+        st.spec = spec
+        st.reset_window()
+        st.sched_t = st.opt_steps = 0
+        if load_optimizer:
+            st.read_train_config(target)
+        return str(target)

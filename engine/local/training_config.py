@@ -1,0 +1,357 @@
+"""Per-adapter training configuration for `engine.local.model.MultiLoraTransformersModel`.
+
+Owns the translation of upstream-Twinkle style arguments into what the training backend takes:
+LoRA configs (peft ``LoraConfig`` or dict) → `LoraSpec`, loss names/classes → Tinker ``loss_fn`` +
+``loss_fn_config``, optimizer arguments → AdamW hyper-parameters, and the LR schedules.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.backends.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
+from engine.errors import UserInputError
+from engine.protocol import DEFAULT_LORA_ALPHA, DEFAULT_LR, LoraSpec
+
+# ----------------------------------------------------------------------------------- LoRA config
+
+_GROUPS = (
+    ("train_attn", ATTN_TARGETS),
+    ("train_mlp", MLP_TARGETS),
+    ("train_unembed", UNEMBED_TARGETS),
+)
+_UNSUPPORTED_LORA = {
+    "use_dora": lambda v: bool(v),
+    "use_rslora": lambda v: bool(v),
+    "bias": lambda v: v not in (None, "none"),
+    "modules_to_save": lambda v: bool(v),
+    "rank_pattern": lambda v: bool(v),
+    "alpha_pattern": lambda v: bool(v),
+}
+
+
+def _get(config: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if isinstance(config, Mapping):
+            if config.get(n) is not None:
+                return config[n]
+        elif getattr(config, n, None) is not None:
+            return getattr(config, n)
+    return default
+
+
+def lora_spec_from_config(config: Any) -> LoraSpec:
+    """A peft ``LoraConfig`` (duck-typed) or dict as a LoraSpec.
+
+    ``r``/``rank`` is required; ``lora_alpha``/``alpha`` defaults to 32 (the server's default);
+    ``seed`` to 0. ``target_modules``: absent/None or "all" → attention + MLP + lm_head (Tinker's
+    default); "all-linear" → attention + MLP (PEFT leaves the output layer out); a list → the
+    groups it names. Naming part of a group (e.g. PEFT's common ``["q_proj", "v_proj"]``) trains
+    the whole group, with a warning: adapters switch q/k/v/o, gate/up/down and lm_head as groups.
+    ``lora_dropout`` is ignored (training runs without dropout, so it is reproducible).
+    """
+    bad = [k for k, rule in _UNSUPPORTED_LORA.items() if rule(_get(config, k))]
+    if bad:
+        raise UserInputError(f"lora config: unsupported option(s) {', '.join(bad)}")
+    rank = _get(config, "r", "rank")
+    if rank is None:
+        raise UserInputError("lora config: 'r' (rank) is required")
+    alpha = _get(config, "lora_alpha", "alpha", default=DEFAULT_LORA_ALPHA)
+    seed = _get(config, "seed", default=0)
+    targets = _get(config, "target_modules")
+    flags = dict.fromkeys([name for name, _ in _GROUPS], True)
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            flags["train_unembed"] = False
+        elif targets != "all":
+            raise UserInputError(
+                f"lora config: target_modules {targets!r} is not supported; use 'all-linear', "
+                "'all' or a list of module names"
+            )
+    elif targets is not None:
+        names = {str(t).rsplit(".", 1)[-1] for t in targets}
+        known = {m for _, group in _GROUPS for m in group}
+        unknown = sorted(names - known)
+        if unknown:
+            raise UserInputError(
+                f"lora config: target_modules {unknown} cannot be targeted; targetable modules: "
+                f"{', '.join(m for _, g in _GROUPS for m in g)}"
+            )
+        added = []
+        for flag, group in _GROUPS:
+            chosen = names & set(group)
+            flags[flag] = bool(chosen)
+            if chosen and chosen != set(group):
+                added += sorted(set(group) - chosen)
+        if added:
+            warnings.warn(
+                f"lora config: target_modules name part of a module group; also training {added}",
+                stacklevel=3,
+            )
+    for name, value in (("r", rank), ("lora_alpha", alpha), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserInputError(f"lora config: {name} {value!r} must be a number")
+    if rank != int(rank) or seed != int(seed):
+        raise UserInputError("lora config: r and seed must be integers")
+    return LoraSpec(rank=int(rank), alpha=float(alpha), seed=int(seed), **flags)
+
+
+def spec_target_modules(spec: LoraSpec) -> list[str]:
+    return [m for flag, group in _GROUPS if getattr(spec, flag) for m in group]
+
+
+# ----------------------------------------------------------------------------------- losses
+
+#: normalised name (lower case, no "_"/"-") → backend loss_fn
+_LOSSES = {
+    "crossentropy": "cross_entropy",
+    "crossentropyloss": "cross_entropy",
+    "importancesampling": "importance_sampling",
+    "importancesamplingloss": "importance_sampling",
+    "ppo": "ppo",
+    "ppoloss": "ppo",
+    "grpo": "ppo",
+    "grpoloss": "ppo",
+    "cispo": "cispo",
+    "cispoloss": "cispo",
+    "dro": "dro",
+    "droloss": "dro",
+    "dpo": "dpo",
+    "dpoloss": "dpo",
+}
+ACCEPTED_LOSS_NAMES = (
+    "cross_entropy",
+    "CrossEntropyLoss",
+    "importance_sampling",
+    "ImportanceSamplingLoss",
+    "ppo",
+    "PPOLoss",
+    "GRPOLoss",
+    "cispo",
+    "CISPOLoss",
+    "dro",
+    "DROLoss",
+    "dpo",
+    "DPOLoss",
+)
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "")
+
+
+def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[str, float | str]]:
+    """(name as given, backend loss_fn, loss_fn_config) for a loss name, class or instance.
+
+    ``GRPOLoss`` maps to Tinker's ``ppo`` (clipped importance-ratio surrogate): the group-relative
+    advantages are computed client-side and passed per datum as ``advantages``, the sampler's
+    log-probs as ``logprobs``. Its ``epsilon`` / ``epsilon_high`` become ``clip_low_threshold =
+    1 - epsilon`` / ``clip_high_threshold = 1 + epsilon_high`` (ratio bounds); a KL term (``beta``
+    other than 0) is not available and is refused.
+    """
+    if isinstance(loss, str):
+        name = loss
+    elif isinstance(loss, type):
+        name = loss.__name__
+    elif inspect.isfunction(loss) or inspect.ismethod(loss):
+        name = loss.__name__  # a custom loss function: refused below unless named like ours
+    else:
+        name = type(loss).__name__
+    loss_fn = _LOSSES.get(_norm(name))
+    if loss_fn is None:
+        raise UserInputError(
+            f"unknown loss {name!r}; accepted: {', '.join(ACCEPTED_LOSS_NAMES)} "
+            "(or a class/instance with one of these names)"
+        )
+    config: dict[str, float | str] = {}
+    kw = dict(kwargs)
+    if _norm(name).startswith("grpo"):
+        beta = kw.pop("beta", 0.0)
+        if beta:
+            raise UserInputError(f"GRPOLoss: beta {beta!r} (KL penalty) is not supported; use 0")
+        if "epsilon" in kw:
+            eps = float(kw.pop("epsilon"))
+            config["clip_low_threshold"] = 1.0 - eps
+            config["clip_high_threshold"] = 1.0 + float(kw.pop("epsilon_high", eps))
+        elif "epsilon_high" in kw:
+            config["clip_high_threshold"] = 1.0 + float(kw.pop("epsilon_high"))
+    for key, value in kw.items():
+        if isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, (int, float, str)):
+            raise UserInputError(f"loss config {key!r}: {value!r} must be a number or a string")
+        config[key] = float(value) if not isinstance(value, str) else value
+    return name, loss_fn, config
+
+
+# ----------------------------------------------------------------------------------- optimizer
+
+_IGNORED_OPTIM_KW = {"foreach", "fused", "capturable", "differentiable"}
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = DEFAULT_LR
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+
+
+def optimizer_config(
+    optimizer: Any, lr: Any, betas: Any, eps: Any, weight_decay: Any, extra: Mapping[str, Any]
+) -> OptimizerConfig:
+    """Validate set_optimizer's arguments. Only AdamW: a name, the class, or an instance (whose
+    ``defaults`` supply the hyper-parameters not passed explicitly)."""
+    if isinstance(optimizer, str):
+        name = optimizer
+    elif isinstance(optimizer, type):
+        name = optimizer.__name__
+    else:
+        name = type(optimizer).__name__
+        defaults = getattr(optimizer, "defaults", {}) or {}
+        lr = defaults.get("lr", lr) if lr is None else lr
+        betas = defaults.get("betas", betas) if betas is None else betas
+        eps = defaults.get("eps", eps) if eps is None else eps
+        weight_decay = defaults.get("weight_decay") if weight_decay is None else weight_decay
+    if name.lower() != "adamw":
+        raise UserInputError(f"unsupported optimizer {name!r}; only 'AdamW' is available")
+    bad = sorted(set(extra) - _IGNORED_OPTIM_KW)
+    if bad:
+        raise UserInputError(f"set_optimizer: unsupported argument(s) {', '.join(bad)}")
+    d = OptimizerConfig()
+    cfg = OptimizerConfig(
+        lr=d.lr if lr is None else lr,
+        betas=d.betas if betas is None else betas,
+        eps=d.eps if eps is None else eps,
+        weight_decay=d.weight_decay if weight_decay is None else weight_decay,
+    )
+    try:
+        b1, b2 = (float(b) for b in cfg.betas)
+    except (TypeError, ValueError):
+        raise UserInputError(f"set_optimizer: betas {cfg.betas!r} must be two numbers") from None
+    checks = [
+        ("lr", cfg.lr, lambda v: v >= 0, ">= 0"),
+        ("betas[0]", b1, lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("betas[1]", b2, lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("eps", cfg.eps, lambda v: v > 0, "> 0"),
+        ("weight_decay", cfg.weight_decay, lambda v: v >= 0, ">= 0"),
+    ]
+    for fname, v, ok, rule in checks:
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not math.isfinite(v)
+            or not ok(v)
+        ):
+            raise UserInputError(f"set_optimizer: {fname} {v!r} must be a finite number {rule}")
+    return OptimizerConfig(float(cfg.lr), (b1, b2), float(cfg.eps), float(cfg.weight_decay))
+
+
+def check_clip(max_grad_norm: Any, norm_type: Any) -> float:
+    """clip_grad_norm's arguments: only the L2 norm; a finite max_grad_norm >= 0 (0 = off)."""
+    if norm_type != 2:
+        raise UserInputError(f"clip_grad_norm: norm_type {norm_type!r} unsupported; only 2")
+    v = max_grad_norm
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise UserInputError(f"clip_grad_norm: max_grad_norm {v!r} must be a number >= 0")
+    return float(v)
+
+
+# ----------------------------------------------------------------------------------- schedules
+
+_SCHEDULE_ALIASES = {
+    "constant": "constant",
+    "constantlr": "constant",
+    "constantwarmupscheduler": "constant",
+    "linear": "linear",
+    "linearwarmupscheduler": "linear",
+    "linearscheduler": "linear",
+    "cosine": "cosine",
+    "cosinewarmupscheduler": "cosine",
+    "cosinescheduler": "cosine",
+}
+_SCHEDULE_KW = {
+    "constant": {"warmup_steps"},
+    "linear": {"warmup_steps", "total_steps"},
+    "cosine": {"warmup_steps", "total_steps", "min_lr_ratio", "min_lr"},
+}
+_KW_ALIASES = {
+    "num_warmup_steps": "warmup_steps",
+    "num_training_steps": "total_steps",
+    "max_steps": "total_steps",
+}
+
+
+@dataclass
+class LrSchedule:
+    """lr at scheduler position t (number of lr_step() calls so far) = base lr × multiplier(t).
+
+    As HF's ``get_*_schedule_with_warmup``: warm-up is t / warmup_steps (so the first step of a
+    warm-up runs at lr 0); ``linear`` then decays to 0 at ``total_steps``; ``cosine`` decays along
+    a half cosine to ``min_lr_ratio`` (or absolute ``min_lr``) at ``total_steps``; both stay at
+    their end value afterwards. A callable schedule is ``fn(t) -> multiplier``.
+    """
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    fn: Callable[[int], float] | None = None
+
+    def multiplier(self, t: int, base_lr: float) -> float:
+        if self.fn is not None:
+            return float(self.fn(t))
+        kw = self.kwargs
+        warmup = int(kw.get("warmup_steps", 0))
+        if t < warmup:
+            return t / warmup
+        if self.name == "constant":
+            return 1.0
+        total = int(kw["total_steps"])
+        progress = min(1.0, (t - warmup) / max(1, total - warmup))
+        if self.name == "linear":
+            return max(0.0, 1.0 - progress)
+        floor = float(kw.get("min_lr_ratio", 0.0))
+        if "min_lr" in kw:
+            floor = float(kw["min_lr"]) / base_lr if base_lr > 0 else 0.0
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, **({"fn": repr(self.fn)} if self.fn else self.kwargs)}
+
+
+def make_schedule(scheduler: Any, kwargs: Mapping[str, Any]) -> LrSchedule:
+    kw = {_KW_ALIASES.get(k, k): v for k, v in kwargs.items()}
+    if isinstance(scheduler, type) and scheduler.__name__ == "LambdaLR" and "lr_lambda" in kw:
+        scheduler = kw.pop("lr_lambda")  # torch's LambdaLR(lr_lambda=...) is a callable schedule
+    if callable(scheduler) and not isinstance(scheduler, type):
+        if kw:
+            raise UserInputError(
+                f"set_lr_scheduler: a callable takes no arguments, got {sorted(kw)}"
+            )
+        return LrSchedule(name="callable", fn=scheduler)
+    name = (
+        scheduler if isinstance(scheduler, str) else getattr(scheduler, "__name__", repr(scheduler))
+    )
+    canonical = _SCHEDULE_ALIASES.get(_norm(name))
+    if canonical is None:
+        raise UserInputError(
+            f"unknown lr scheduler {name!r}; accepted: constant, linear, cosine, or a callable "
+            "step -> lr multiplier"
+        )
+    bad = sorted(set(kw) - _SCHEDULE_KW[canonical])
+    if bad:
+        raise UserInputError(
+            f"lr scheduler {canonical!r}: unsupported argument(s) {', '.join(bad)}"
+        )
+    if canonical != "constant" and "total_steps" not in kw:
+        raise UserInputError(
+            f"lr scheduler {canonical!r}: total_steps (num_training_steps) is required"
+        )
+    for k, v in kw.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise UserInputError(f"lr scheduler {canonical!r}: {k} {v!r} must be a number >= 0")
+    return LrSchedule(name=canonical, kwargs=dict(kw))

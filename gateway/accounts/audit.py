@@ -1,0 +1,127 @@
+"""The audit log of admin and security events.
+
+Owns writing events (``<resource>_<action>``: key_created, key_revoked, organization_created,
+user_created, user_updated, organization_updated, quota_changed, access_denied) and reading them
+back as the Tinker SDK's ``AuditLogResponse`` entries. Events carry a key's display prefix at
+most, never the key. Denied requests are written in their own short transaction, so a failing
+request still leaves its trace; the write is best effort (a DB hiccup never turns a 401 into a
+500) and throttled per process (`DENIED_PER_MINUTE`), so bad-key floods cannot fill the DB.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime
+from typing import Any
+
+from fastapi import Request
+from sqlmodel import Session, col, select
+
+from gateway.db.tables import AuditEventRow
+
+log = logging.getLogger(__name__)
+
+
+def record_event(
+    session: Session,
+    event: str,
+    *,
+    org_id: int | None = None,
+    actor_user_id: int | None = None,
+    actor_key_prefix: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> AuditEventRow:
+    """Add an event to ``session`` (the caller commits with its own change)."""
+    row = AuditEventRow(
+        event=event,
+        org_id=org_id,
+        actor_user_id=actor_user_id,
+        actor_key_prefix=actor_key_prefix,
+        details=details or {},
+    )
+    session.add(row)
+    return row
+
+
+#: at most this many access_denied rows per minute per gateway process, so a flood of bad keys
+#: cannot fill the database (the excess is counted in a log line instead)
+DENIED_PER_MINUTE = 120
+_denied_window = {"minute": 0, "count": 0}
+_denied_lock = threading.Lock()
+
+
+def _denied_allowed() -> bool:
+    minute = int(time.time() // 60)
+    with _denied_lock:
+        if _denied_window["minute"] != minute:
+            if _denied_window["count"] > DENIED_PER_MINUTE:
+                log.warning(
+                    "%d access_denied events not audited in the last minute",
+                    _denied_window["count"] - DENIED_PER_MINUTE,
+                )
+            _denied_window.update(minute=minute, count=0)
+        _denied_window["count"] += 1
+        return _denied_window["count"] <= DENIED_PER_MINUTE
+
+
+def record_denied(request: Request, principal: Any, reason: str) -> None:
+    """An ``access_denied`` event for this request (method, path, reason, who if known)."""
+    engine = getattr(request.app.state, "db_engine", None)
+    if engine is None or not _denied_allowed():
+        return
+    details = {"method": request.method, "path": request.url.path, "reason": reason}
+    try:
+        with Session(engine) as session:
+            record_event(
+                session,
+                "access_denied",
+                org_id=getattr(principal, "org_id", None),
+                actor_user_id=getattr(principal, "user_id", None),
+                actor_key_prefix=getattr(principal, "key_prefix", None) or None,
+                details=details,
+            )
+            session.commit()
+    except Exception:  # auditing must never change the answer
+        log.warning("could not write access_denied audit event", exc_info=True)
+
+
+def list_events(
+    session: Session,
+    *,
+    org_id: int | None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    events: list[str] | None = None,
+    limit: int = 1000,
+) -> list[AuditEventRow]:
+    """Events in [start, end), oldest first; ``org_id`` None means every organization."""
+    q = select(AuditEventRow)
+    if org_id is not None:
+        q = q.where(AuditEventRow.org_id == org_id)
+    if start is not None:
+        q = q.where(AuditEventRow.created_at >= start)
+    if end is not None:
+        q = q.where(AuditEventRow.created_at < end)
+    if events:
+        q = q.where(col(AuditEventRow.event).in_(events))
+    return list(
+        session.exec(q.order_by(col(AuditEventRow.created_at), col(AuditEventRow.id)).limit(limit))
+    )
+
+
+def event_json(row: AuditEventRow) -> dict[str, Any]:
+    """An entry shaped like the SDK's ``AuditLogEntry``."""
+    details = dict(row.details or {})
+    if row.actor_user_id is not None:
+        details.setdefault("actor_user_id", row.actor_user_id)
+    if row.actor_key_prefix:
+        details.setdefault("actor_key_prefix", row.actor_key_prefix)
+    if row.org_id is not None:
+        details.setdefault("org_id", row.org_id)
+    return {
+        "timestamp": row.created_at.isoformat() + "Z",
+        "event": row.event,
+        "event_details": details,
+    }

@@ -1,0 +1,62 @@
+"""The `twinkle` command: `serve`, `keys`, `orgs`, `quotas`, `models`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _models_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="twinkle models")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    build = sub.add_parser(
+        "build-tiny", help="build the offline tiny chat model (twinkle/tiny-chat)"
+    )
+    build.add_argument("--out", help="output folder (default: $TWINKLE_DATA_DIR/models/tiny-chat)")
+    build.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from engine.base_models.tiny import build_tiny
+    from gateway.settings import Settings
+
+    out = args.out or str(Settings.from_env().data_dir / "models" / "tiny-chat")
+    path = build_tiny(out, seed=args.seed)
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="twinkle", description="Multi-tenant LoRA training service (Tinker-compatible)"
+    )
+    parser.add_argument("command", choices=["serve", "keys", "orgs", "quotas", "models"])
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        sp = argparse.ArgumentParser(prog="twinkle serve")
+        sp.add_argument("--config", help="server config YAML (default: built-in tiny model)")
+        sp.add_argument("--host", help="bind address (default 127.0.0.1)")
+        sp.add_argument("--port", type=int, help="port (default 8000)")
+        a = sp.parse_args(rest)
+        from gateway.cli.serve import serve_main
+
+        return serve_main(a.config, a.host, a.port)
+    if command == "keys":
+        from gateway.cli.keys import keys_main
+
+        return keys_main(rest)
+    if command in ("orgs", "quotas"):
+        from gateway.cli.orgs import orgs_main
+
+        return orgs_main(rest, command)
+    if command == "models":
+        return _models_main(rest)
+    parser.error(f"unknown command {command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

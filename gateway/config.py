@@ -1,0 +1,123 @@
+"""The gateway's config: `ServerConfig` (the engine's `EngineConfig` plus the HTTP, Redis, JWT,
+quota, metrics and Tinker API sections), validated strictly like the engine's part.
+
+Owns every knob only the gateway reads. The engine never imports this module; it receives an
+`EngineConfig` (this class is one). `effective_redis_url` is the one place that decides which
+Redis a replica uses (the ``TWINKLE_REDIS_URL`` variable wins over ``gateway.redis_url``).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from engine.config import EngineConfig, _Strict
+from engine.errors import ConfigError
+
+__all__ = [
+    "GatewayConfig",
+    "ServerConfig",
+    "check_replicas_share_state",
+    "effective_redis_url",
+]
+
+
+class GatewayConfig(_Strict):
+    """The gateway's own section (read by the gateway; the engine ignores it)."""
+
+    num_replicas: int = Field(1, ge=1, description="Gateway (HTTP ingress) replicas")
+    redis_url: str | None = Field(
+        None, description="Redis for quota and rate-limit state; required with >1 replica"
+    )
+    jwt_enabled: bool = Field(
+        False, description="Tinker SDK JWT mode: clients exchange their key at /api/v1/auth/token"
+    )
+    jwt_ttl_seconds: int = Field(900, ge=60, le=86400, description="Lifetime of a minted JWT")
+    default_user_quotas: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per-user quota limits applied when a user has no "
+        "override (names as in the admin API, e.g. max_training_clients)",
+    )
+    metrics_enabled: bool = Field(
+        True, description="Serve Prometheus metrics at GET /metrics (off: no endpoint, 404)"
+    )
+    metrics_require_admin: bool = Field(
+        False, description="GET /metrics needs an admin-scope API key (default: no key needed)"
+    )
+
+
+
+class ServerConfig(EngineConfig):
+    """The whole server config: the engine's part plus the gateway's sections."""
+
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    long_poll_seconds: float = Field(
+        25.0, gt=0, le=40, description="How long retrieve_future holds a request (SDK timeout 45 s)"
+    )
+    # -- the Tinker API surface --
+    future_ttl_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a finished future's result is kept for retrieval; "
+        "afterwards retrieve_future answers 410 (for a day)",
+    )
+    metadata_only_min_bytes: int = Field(
+        1 << 20,
+        ge=0,
+        description="A finished protobuf result this large is first announced as "
+        "complete_metadata when the SDK allows it (it reserves its byte budget first)",
+    )
+    session_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="A session with no heartbeat for this long expires: its "
+        "adapters are released (saved checkpoints stay) and its clients get 410",
+    )
+    session_sweep_seconds: float = Field(
+        30.0, gt=0, description="How often expired sessions and checkpoints are swept"
+    )
+    download_url_ttl_seconds: float = Field(
+        3600.0, gt=0, description="Lifetime of signed external-weights download URLs"
+    )
+    sdk_deprecated_below: str = Field(
+        "0.38.0", description="Tinker SDK versions below this get x-deprecation-level: warning"
+    )
+    sdk_unsupported_below: str = Field(
+        "0.16.0", description="Tinker SDK versions below this get x-deprecation-level: error"
+    )
+    max_concurrent_samples_per_user: int = Field(
+        64,
+        ge=0,
+        description="Sampling requests (Tinker asample, OpenAI completions) one user may "
+        "have in flight at once; more get 429 with retry-after. 0 = no limit",
+    )
+
+    @model_validator(mode="after")
+    def _quota_names(self) -> ServerConfig:
+        from gateway.quotas.limits import QUOTAS  # light module: names and defaults only
+
+        unknown = sorted(set(self.gateway.default_user_quotas) - set(QUOTAS))
+        if unknown:
+            raise ValueError(
+                f"gateway.default_user_quotas: unknown quota names {unknown}; known: "
+                f"{sorted(QUOTAS)}"
+            )
+        return self
+
+
+def effective_redis_url(settings_redis_url: str | None, config: ServerConfig) -> str | None:
+    """The Redis a gateway replica uses: ``TWINKLE_REDIS_URL`` (already in `Settings`) wins over
+    ``gateway.redis_url``; None means in-process stores (one replica only)."""
+    return settings_redis_url or config.gateway.redis_url
+
+
+def check_replicas_share_state(settings_redis_url: str | None, config: ServerConfig) -> None:
+    """Several gateway replicas must share futures, idempotency keys and quota state: refuse to
+    start them without a Redis (from either source)."""
+    if config.gateway.num_replicas > 1 and not effective_redis_url(settings_redis_url, config):
+        raise ConfigError(
+            f"gateway.num_replicas is {config.gateway.num_replicas} but no Redis is set: quota "
+            "and rate-limit state must be shared between gateway replicas (set gateway.redis_url "
+            "or TWINKLE_REDIS_URL)"
+        )

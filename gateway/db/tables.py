@@ -1,0 +1,202 @@
+"""Every DB table (SQLModel, ``table=True``), in one module so ``SQLModel.metadata`` (Alembic's
+target) always holds all of them. Alembic in ``migrations/`` owns the schema.
+
+Tinker state: users, API keys, sessions, training runs, checkpoints, samplers. Hosted-service
+state (migration ``0002_accounts``): organizations (``users.org_id``), quota limits (one named
+limit for an org, ``subject_type="org"``, or a user override, ``subject_type="user"``), the usage
+ledger (hourly buckets per hour, user, session, base model, kind) and the audit log (a key's
+display prefix at most, never the key).
+
+These are neither wire schemas nor engine types. Timestamps are stored as naive UTC: every
+timestamp column is annotated ``NaiveDatetime`` because sqlmodel >= 0.0.50 maps a plain ``datetime``
+to ``UTCDateTime``, which rejects naive values on insert.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import NaiveDatetime
+from sqlalchemy import JSON, BigInteger, Column, Float, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    """Naive UTC now (SQLite keeps no time zone; every column is UTC by convention)."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+class UserRow(SQLModel, table=True):
+    __tablename__ = "users"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True, unique=True, max_length=128)
+    is_admin: bool = False
+    created_at: NaiveDatetime = Field(default_factory=utcnow)
+    # Accounts (migration 0002_accounts): the user's organization and a soft disable.
+    org_id: int | None = Field(default=None, foreign_key="organizations.id", index=True)
+    disabled_at: NaiveDatetime | None = None
+
+
+class ApiKeyRow(SQLModel, table=True):
+    """An API key. Only the sha256 hex digest of the full key is stored, plus a short prefix for
+    display (``tml-`` and 6 more characters)."""
+
+    __tablename__ = "api_keys"
+
+    id: int | None = Field(default=None, primary_key=True)
+    user_id: int = Field(foreign_key="users.id", index=True)
+    digest: str = Field(index=True, unique=True, max_length=64)
+    prefix: str = Field(max_length=16)
+    scope: str = Field(default="user", max_length=16)  # "user" | "admin"
+    created_at: NaiveDatetime = Field(default_factory=utcnow)
+    revoked_at: NaiveDatetime | None = None
+    # Accounts (migration 0002_accounts): a label and an optional expiry.
+    name: str | None = Field(default=None, max_length=128)
+    expires_at: NaiveDatetime | None = None
+
+
+class SessionRow(SQLModel, table=True):
+    __tablename__ = "sessions"
+
+    id: str = Field(primary_key=True, max_length=64)
+    user_id: int = Field(foreign_key="users.id", index=True)
+    sdk_version: str | None = Field(default=None, max_length=32)
+    tags: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    user_metadata: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False)
+    )
+    project_id: str | None = Field(default=None, max_length=128)
+    display_name: str | None = Field(default=None, max_length=256)
+    created_at: NaiveDatetime = Field(default_factory=utcnow)
+    last_heartbeat_at: NaiveDatetime = Field(default_factory=utcnow)
+    finished_at: NaiveDatetime | None = None
+    finish_reason: str | None = Field(default=None, max_length=32)
+
+
+class TrainingRunRow(SQLModel, table=True):
+    """One Tinker training client (= one adapter). ``id`` is ``{session_id}:train:{model_seq_id}``."""
+
+    __tablename__ = "training_runs"
+
+    id: str = Field(primary_key=True, max_length=128)
+    session_id: str = Field(foreign_key="sessions.id", index=True)
+    user_id: int = Field(foreign_key="users.id", index=True)
+    base_model: str = Field(max_length=256)
+    lora_rank: int
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    seed: int = 0
+    user_metadata: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False)
+    )
+    created_at: NaiveDatetime = Field(default_factory=utcnow)
+    last_request_time: NaiveDatetime = Field(default_factory=utcnow)
+
+
+class CheckpointRow(SQLModel, table=True):
+    """A saved checkpoint. ``kind`` is "training" (weights/), "sampler" (sampler_weights/) or
+    "external" (external_weights/); ``storage_dir`` is server-side and never sent to clients."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "kind", "name", name="uq_checkpoint_run_kind_name"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="training_runs.id", index=True, max_length=128)
+    user_id: int = Field(foreign_key="users.id", index=True)
+    kind: str = Field(max_length=16)
+    name: str = Field(max_length=128)
+    tinker_path: str = Field(unique=True, max_length=512)
+    storage_dir: str = Field(max_length=1024)
+    size_bytes: int = 0
+    public: bool = False
+    ephemeral: bool = False
+    user_metadata: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False)
+    )
+    created_at: NaiveDatetime = Field(default_factory=utcnow)
+    expires_at: NaiveDatetime | None = None
+
+
+class SamplingSessionRow(SQLModel, table=True):
+    """A sampler: ``id`` is ``{session_id}:sample:{sampling_session_seq_id}``."""
+
+    __tablename__ = "sampling_sessions"
+
+    id: str = Field(primary_key=True, max_length=128)
+    session_id: str = Field(foreign_key="sessions.id", index=True)
+    user_id: int = Field(foreign_key="users.id", index=True)
+    base_model: str = Field(max_length=256)
+    model_path: str | None = Field(default=None, max_length=512)
+    adapter_dir: str | None = Field(default=None, max_length=1024)
+    created_at: NaiveDatetime = Field(default_factory=utcnow)
+
+
+# -- hosted-service layer (accounts, quotas, usage, audit) --------------------------------
+
+
+class OrganizationRow(SQLModel, table=True):
+    __tablename__ = "organizations"
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(index=True, unique=True, max_length=128)
+    created_at: NaiveDatetime = Field(default_factory=utcnow)
+    disabled_at: NaiveDatetime | None = None
+
+
+class QuotaLimitRow(SQLModel, table=True):
+    """One limit: ``value`` of quota ``name`` for an org or a user (see `gateway.quotas.limits`)."""
+
+    __tablename__ = "quota_limits"
+    __table_args__ = (
+        UniqueConstraint("subject_type", "subject_id", "name", name="uq_quota_subject_name"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    subject_type: str = Field(max_length=8)  # "org" | "user"
+    subject_id: int = Field(index=True)
+    name: str = Field(max_length=64)
+    value: int = Field(sa_column=Column(BigInteger, nullable=False))
+    updated_at: NaiveDatetime = Field(default_factory=utcnow)
+
+
+class UsageBucketRow(SQLModel, table=True):
+    """Usage of one kind in one UTC hour. ``kind``: training | sampling_prefill |
+    sampling_sample | storage (``gigabyte_hours``) | checkpoint (``quantity`` = saves)."""
+
+    __tablename__ = "usage_buckets"
+    __table_args__ = (
+        UniqueConstraint(
+            "bucket_start", "user_id", "session_id", "base_model", "kind", name="uq_usage_bucket"
+        ),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    bucket_start: NaiveDatetime = Field(index=True)
+    org_id: int | None = Field(default=None, index=True)
+    user_id: int = Field(index=True)
+    # "" rather than NULL so the unique constraint (and the upsert) works on every database.
+    session_id: str = Field(default="", max_length=64)
+    base_model: str = Field(default="", max_length=256)
+    kind: str = Field(max_length=32)
+    quantity: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
+    gigabyte_hours: float = Field(default=0.0, sa_column=Column(Float, nullable=False))
+
+
+class AuditEventRow(SQLModel, table=True):
+    """A security or admin event: ``<resource>_<action>`` (key_created, key_revoked,
+    quota_changed, access_denied, ...)."""
+
+    __tablename__ = "audit_events"
+
+    id: int | None = Field(default=None, primary_key=True)
+    created_at: NaiveDatetime = Field(default_factory=utcnow, index=True)
+    event: str = Field(max_length=64, index=True)
+    org_id: int | None = Field(default=None, index=True)
+    actor_user_id: int | None = None
+    actor_key_prefix: str | None = Field(default=None, max_length=16)
+    details: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))

@@ -1,0 +1,379 @@
+"""The future store: every asynchronous Tinker request gets a record here.
+
+Owns: creating futures, running their engine coroutine, keeping the result (JSON or protobuf
+bytes) or the error until it is retrieved or expires, long-polling, expiry (an expired future
+answers 410, not 404, for a day after it expired), and idempotency: a retried submit with the same
+(model_id, seq_id) or (sampling_session_id, seq_id) returns the original future, and the same key
+with a different payload (its fingerprint) is a 409.
+
+Records live in this replica's memory (the coroutine and the long-poll event are local); when a
+shared KV (Redis) is configured, records (pending and finished), expiry tombstones and the
+idempotency index are mirrored there, so another gateway replica, or this one after a restart,
+still answers retrieve_future and still dedupes a retried seq_id.
+
+Takeover: each replica holds a lease key in the KV. A pending record whose owner's lease is gone
+(the replica died or restarted) is taken over by the first replica asked about it: if the record
+carries a *job* (a JSON description of its engine call, see `gateway.tinker_api.jobs`), the new
+replica runs the job again, and the Trainer answers a repeated (model_id, seq_id) with the first
+execution's result (engine/scheduling/exactly_once.py), so nothing runs twice. A record without a job (sampling,
+saves) becomes expired: 410, which makes the SDK resubmit a sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import EngineError
+from gateway.errors import ConflictError
+from gateway.futures.kv import KV, MemoryKV
+
+log = logging.getLogger(__name__)
+
+#: a finished future is kept this long for retrieval (the SDK retrieves within seconds)
+RESULT_TTL_S = 3600.0
+#: after expiry, retrieve_future answers 410 (not 404) for this long
+TOMBSTONE_TTL_S = 86400.0
+#: a pending record mirrored to the KV lives at most this long
+PENDING_TTL_S = 86400.0
+#: a replica's lease; a pending record whose owner's lease lapsed is taken over
+LEASE_TTL_S = 5.0
+
+
+def fingerprint(payload: bytes | str | dict | None) -> str | None:
+    """A stable digest of a request payload (dicts are serialised with sorted keys)."""
+    if payload is None:
+        return None
+    if isinstance(payload, dict):
+        payload = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    if isinstance(payload, str):
+        payload = payload.encode()
+    return hashlib.sha256(payload).hexdigest()
+
+
+@dataclass
+class FutureRecord:
+    request_id: str
+    user_id: int
+    kind: str
+    created: float = field(default_factory=time.monotonic)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    finished_at: float | None = None
+    json_result: dict[str, Any] | None = None
+    proto_result: bytes | None = None
+    error: str | None = None
+    category: str = "server"
+    idem_key: tuple[str, int] | None = None
+    fingerprint: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    owner: str | None = None
+    job: list | None = None
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "request_id": self.request_id,
+                "user_id": self.user_id,
+                "kind": self.kind,
+                "finished": self.done.is_set(),
+                "json_result": self.json_result,
+                "proto_result": None
+                if self.proto_result is None
+                else base64.b64encode(self.proto_result).decode(),
+                "error": self.error,
+                "category": self.category,
+                "idem_key": list(self.idem_key) if self.idem_key else None,
+                "fingerprint": self.fingerprint,
+                "extra": self.extra,
+                "owner": self.owner,
+                "job": self.job,
+            }
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> FutureRecord:
+        d = json.loads(raw)
+        rec = cls(
+            request_id=d["request_id"],
+            user_id=int(d["user_id"]),
+            kind=d["kind"],
+            json_result=d["json_result"],
+            proto_result=None if d["proto_result"] is None else base64.b64decode(d["proto_result"]),
+            error=d["error"],
+            category=d["category"],
+            idem_key=tuple(d["idem_key"]) if d["idem_key"] else None,  # type: ignore[arg-type]
+            fingerprint=d["fingerprint"],
+            extra=d.get("extra") or {},
+            owner=d.get("owner"),
+            job=d.get("job"),
+        )
+        if d["finished"]:
+            rec.finished_at = time.monotonic()
+            rec.done.set()
+        return rec
+
+
+#: the coroutine's return: ("json", dict) or ("proto", bytes)
+Result = tuple[str, Any]
+
+
+class FutureStore:
+    def __init__(
+        self, kv: KV | None = None, *, result_ttl_s: float = RESULT_TTL_S, shared: bool = False
+    ) -> None:
+        """``shared``: ``kv`` is visible to other replicas (Redis), so mirror records into it."""
+        self._futures: dict[str, FutureRecord] = {}
+        self._by_idem: dict[tuple[str, int], str] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._kv = kv or MemoryKV()
+        self._shared = shared
+        self._tombstones: dict[str, tuple[int, float]] = {}
+        self.result_ttl_s = result_ttl_s
+        self.replica_id = uuid.uuid4().hex
+        self._lease_task: asyncio.Task | None = None
+        #: builds the coroutine of a job (set by the app: it needs the engine client)
+        self.job_runner: Callable[[list], Callable[[], Awaitable[Result]]] | None = None
+        self.takeovers = 0
+
+    def pending_count(self) -> int:
+        """Futures this replica holds that have not finished (the ``twinkle_futures_pending``
+        gauge; other replicas' futures are counted by their own /metrics)."""
+        return sum(1 for r in self._futures.values() if not r.done.is_set())
+
+    async def start(self) -> None:
+        """Start holding this replica's lease (shared mode only)."""
+        if self._shared and self._lease_task is None:
+            await self._renew_lease()
+            self._lease_task = asyncio.get_running_loop().create_task(self._lease_loop())
+
+    async def _renew_lease(self) -> None:
+        await self._kv.set(f"replica:{self.replica_id}", b"1", LEASE_TTL_S)
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_TTL_S / 3)
+            try:
+                await self._renew_lease()
+            except Exception:  # Redis blip: keep trying; others take over only after the TTL
+                log.warning("could not renew replica lease", exc_info=True)
+
+    async def _maybe_take_over(self, rec: FutureRecord) -> FutureRecord | str:
+        """``rec`` (pending, owned elsewhere) is taken over if its owner's lease lapsed: re-run
+        locally (a job), or expired (no job). Returns the record to use, or ``"expired"``."""
+        if rec.done.is_set() or rec.owner is None or rec.owner == self.replica_id:
+            return rec
+        if await self._kv.get(f"replica:{rec.owner}") is not None:
+            return rec
+        won = await self._kv.set(
+            f"takeover:{rec.request_id}", self.replica_id.encode(), 60.0, only_new=True
+        )
+        if not won:
+            return rec  # another replica is taking it over; keep polling the shared record
+        self.takeovers += 1
+        if rec.job is None or self.job_runner is None:
+            log.warning(
+                "future %s (%s) lost with its replica; answering 410", rec.request_id, rec.kind
+            )
+            await self._kv.delete(f"fut:{rec.request_id}")
+            await self._kv.set(f"gone:{rec.request_id}", str(rec.user_id).encode(), TOMBSTONE_TTL_S)
+            return "expired"
+        log.info("taking over future %s (%s) from replica %s", rec.request_id, rec.kind, rec.owner)
+        rec.owner = self.replica_id
+        self._futures[rec.request_id] = rec
+        if rec.idem_key is not None:
+            self._by_idem[rec.idem_key] = rec.request_id
+        self._start(rec, self.job_runner(rec.job))
+        return rec
+
+    # -- idempotency -------------------------------------------------------------------------------
+    async def lookup_idempotent(
+        self, key: tuple[str, int], fp: str | None = None
+    ) -> FutureRecord | None:
+        """The future already submitted under ``key``, or None. A different payload under the same
+        key is a 409: a seq_id names one request, a retry must resend the same one."""
+        self._expire()
+        rid = self._by_idem.get(key)
+        rec = self._futures.get(rid) if rid else None
+        if rec is None and self._shared:
+            raw_rid = await self._kv.get(self._idem_kv(key))
+            if raw_rid is not None:
+                rec = await self._load(raw_rid.decode())
+        if rec is None:
+            return None
+        if fp is not None and rec.fingerprint is not None and fp != rec.fingerprint:
+            raise ConflictError(
+                f"seq_id: {key[1]} of {key[0]} was already used by a different request; "
+                "a retry must resend the same request (use the next seq_id for a new one)"
+            )
+        return rec
+
+    @staticmethod
+    def _idem_kv(key: tuple[str, int]) -> str:
+        return f"idem:{key[0]}:{key[1]}"
+
+    # -- lookup ------------------------------------------------------------------------------------
+    async def find(self, request_id: str, user_id: int) -> FutureRecord | str:
+        """The future if it exists and belongs to ``user_id``; else ``"expired"`` (it existed and
+        expired) or ``"missing"`` (unknown, or another user's: ids leak nothing)."""
+        self._expire()
+        rec = self._futures.get(request_id)
+        if rec is None and self._shared:
+            rec = await self._load(request_id)
+        if rec is not None and rec.user_id == user_id and self._shared:
+            return await self._maybe_take_over(rec)
+        if rec is not None:
+            return rec if rec.user_id == user_id else "missing"
+        tomb = self._tombstones.get(request_id)
+        if tomb is None and self._shared:
+            raw = await self._kv.get(f"gone:{request_id}")
+            tomb = (int(raw), 0.0) if raw is not None else None
+        if tomb is not None and tomb[0] == user_id:
+            return "expired"
+        return "missing"
+
+    def get(self, request_id: str, user_id: int) -> FutureRecord | None:
+        """Local-only lookup (tests, in-process callers)."""
+        rec = self._futures.get(request_id)
+        return rec if rec is not None and rec.user_id == user_id else None
+
+    async def _load(self, request_id: str) -> FutureRecord | None:
+        raw = await self._kv.get(f"fut:{request_id}")
+        return FutureRecord.from_bytes(raw) if raw is not None else None
+
+    # -- submit / run ------------------------------------------------------------------------------
+    def submit(
+        self,
+        *,
+        user_id: int,
+        kind: str,
+        run: Callable[[], Awaitable[Result]],
+        idem_key: tuple[str, int] | None = None,
+        extra: dict[str, Any] | None = None,
+        fp: str | None = None,
+    ) -> FutureRecord:
+        """Create a future and start ``run`` in the background."""
+        self._expire()
+        rec = FutureRecord(
+            request_id=f"req-{uuid.uuid4().hex}",
+            user_id=user_id,
+            kind=kind,
+            idem_key=idem_key,
+            fingerprint=fp,
+            extra=extra or {},
+            owner=self.replica_id,
+            job=getattr(run, "job", None),
+        )
+        self._futures[rec.request_id] = rec
+        if idem_key is not None:
+            self._by_idem[idem_key] = rec.request_id
+        self._start(rec, run)
+        return rec
+
+    def _start(self, rec: FutureRecord, run: Callable[[], Awaitable[Result]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._drive(rec, run))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _mirror(self, rec: FutureRecord) -> None:
+        if not self._shared:
+            return
+        try:
+            ttl = self.result_ttl_s if rec.done.is_set() else PENDING_TTL_S
+            await self._kv.set(f"fut:{rec.request_id}", rec.to_bytes(), ttl)
+            if rec.idem_key is not None:
+                await self._kv.set(self._idem_kv(rec.idem_key), rec.request_id.encode(), ttl)
+            if rec.done.is_set():
+                await self._kv.set(
+                    f"gone:{rec.request_id}", str(rec.user_id).encode(), ttl + TOMBSTONE_TTL_S
+                )
+        except Exception:  # the shared store is best effort; this replica still answers
+            log.exception("could not mirror future %s to the shared store", rec.request_id)
+
+    async def _drive(self, rec: FutureRecord, run: Callable[[], Awaitable[Result]]) -> None:
+        await self._mirror(rec)
+        try:
+            fmt, value = await run()
+            if fmt == "proto":
+                rec.proto_result = value
+            else:
+                rec.json_result = value
+        except EngineError as exc:
+            rec.error, rec.category = str(exc), exc.category
+        except asyncio.CancelledError:
+            # Shutting down. Shared mode: leave the record pending; a replica takes it over.
+            rec.error, rec.category = "request cancelled (server shutting down)", "server"
+            rec.finished_at = time.monotonic()
+            rec.done.set()
+            raise
+        except Exception as exc:  # a server fault: never a hang, never a leaked traceback
+            log.exception("future %s (%s) failed", rec.request_id, rec.kind)
+            rec.error = f"internal error while running {rec.kind}: {type(exc).__name__}"
+            rec.category = "server"
+        rec.finished_at = time.monotonic()
+        rec.done.set()
+        await self._mirror(rec)
+
+    async def wait(self, rec: FutureRecord, timeout: float) -> FutureRecord | None:
+        """Wait up to ``timeout`` seconds; the finished record, or None if still running. A record
+        another replica runs is re-read from the shared store until it finishes."""
+        if rec.done.is_set():
+            return rec
+        if rec.request_id in self._futures:
+            try:
+                await asyncio.wait_for(rec.done.wait(), timeout)
+            except TimeoutError:
+                return None
+            return rec
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            fresh = await self._load(rec.request_id)
+            if fresh is None:
+                return None  # expired or taken away: the next poll says which
+            if fresh.done.is_set():
+                return fresh
+            taken = await self._maybe_take_over(fresh)
+            if isinstance(taken, FutureRecord) and taken.request_id in self._futures:
+                return await self.wait(taken, max(0.0, deadline - time.monotonic()))
+            if taken == "expired":
+                return None
+        return None
+
+    # -- expiry ------------------------------------------------------------------------------------
+    def _expire(self) -> None:
+        now = time.monotonic()
+        stale = [
+            rid
+            for rid, r in self._futures.items()
+            if r.finished_at is not None and now - r.finished_at > self.result_ttl_s
+        ]
+        for rid in stale:
+            rec = self._futures.pop(rid)
+            self._tombstones[rid] = (rec.user_id, now)
+            if rec.idem_key is not None and self._by_idem.get(rec.idem_key) == rid:
+                self._by_idem.pop(rec.idem_key, None)
+        if len(self._tombstones) > 100_000 or stale:
+            for rid in [r for r, (_, t) in self._tombstones.items() if now - t > TOMBSTONE_TTL_S]:
+                self._tombstones.pop(rid, None)
+
+    async def aclose(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._lease_task
+            with contextlib.suppress(Exception):  # let other replicas take over at once
+                await self._kv.delete(f"replica:{self.replica_id}")
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._kv.aclose()

@@ -1,0 +1,107 @@
+"""Background expiry: silent sessions and checkpoints past their TTL.
+
+A session whose last heartbeat is older than ``session_timeout_seconds`` is marked finished with
+reason ``expired`` and the adapters of its training runs are released from the Trainer (their saved
+checkpoints stay). Its clients then get 410 naming what happened (`gateway.deps`). Checkpoints whose
+``expires_at`` passed are deleted, files and row. Every gateway replica may run this; each step is
+idempotent. Reads also check expiry themselves, so nothing expired is served between sweeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import timedelta
+
+from sqlalchemy import Engine
+from sqlmodel import Session, col, select
+
+from gateway.config import ServerConfig
+from gateway.db.tables import CheckpointRow, SessionRow, TrainingRunRow, UserRow, utcnow
+from gateway.engine_client import EngineClient
+from gateway.runs.checkpoints import CHECKPOINT_DELETED, delete_checkpoint
+
+log = logging.getLogger(__name__)
+EXPIRED = "expired"
+
+
+def expired_session_message(session_id: str) -> str:
+    return (
+        f"session {session_id} expired: no heartbeat within the server's session timeout, so "
+        "its adapters were "
+        "released (checkpoints you saved are kept). Create a new ServiceClient; resume with "
+        "create_training_client_from_state(<tinker:// path of a saved state>)"
+    )
+
+
+def purge_expired_checkpoints(db: Session) -> list[tuple[int, str]]:
+    """Delete expired checkpoints (files and rows); their (user_id, tinker_path)."""
+    now = utcnow()
+    rows = db.exec(
+        select(CheckpointRow).where(
+            col(CheckpointRow.expires_at).is_not(None), col(CheckpointRow.expires_at) <= now
+        )
+    ).all()
+    deleted = []
+    for row in rows:
+        deleted.append((row.user_id, row.tinker_path))
+        delete_checkpoint(db, row)
+    return deleted
+
+
+async def expire_sessions(
+    db_engine: Engine, engine: EngineClient, timeout_s: float, quotas=None
+) -> list[str]:
+    """Expire silent sessions and release their adapters (and their training-client quota
+    slots); the expired session ids."""
+    cutoff = utcnow() - timedelta(seconds=timeout_s)
+    with Session(db_engine) as db:
+        stale = db.exec(
+            select(SessionRow).where(
+                col(SessionRow.finished_at).is_(None), SessionRow.last_heartbeat_at < cutoff
+            )
+        ).all()
+        runs: list[tuple[str, str]] = []
+        slots: list[tuple[int, int | None, list[str]]] = []
+        for s in stale:
+            s.finished_at = utcnow()
+            s.finish_reason = EXPIRED
+            db.add(s)
+            mine = list(db.exec(select(TrainingRunRow).where(TrainingRunRow.session_id == s.id)))
+            runs += [(r.base_model, r.id) for r in mine]
+            user = db.get(UserRow, s.user_id)
+            slots.append((s.user_id, user.org_id if user else None, [r.id for r in mine]))
+        db.commit()
+        ids = [s.id for s in stale]
+    if quotas is not None:
+        for user_id, org_id, run_ids in slots:
+            await quotas.release_training_clients(user_id, org_id, run_ids)
+    for base, run_id in runs:
+        if not engine.serves(base):
+            continue
+        try:
+            await engine.trainer(base, "delete_adapter", run_id)
+        except Exception as exc:  # already gone (never created, or another replica released it)
+            log.info("releasing adapter %s of an expired session: %s", run_id, exc)
+    if ids:
+        log.info("expired %d silent session(s): %s", len(ids), ids)
+    return ids
+
+
+async def sweep_forever(
+    db_engine: Engine,
+    engine: EngineClient,
+    config: ServerConfig,
+    quotas=None,
+    checkpoint_deleted=None,
+) -> None:
+    while True:
+        await asyncio.sleep(config.session_sweep_seconds)
+        try:
+            await expire_sessions(db_engine, engine, config.session_timeout_seconds, quotas)
+            with Session(db_engine) as db:
+                if checkpoint_deleted is not None:
+                    db.info[CHECKPOINT_DELETED] = checkpoint_deleted
+                purge_expired_checkpoints(db)
+        except Exception:  # keep sweeping; one bad pass must not stop expiry for good
+            log.exception("expiry sweep failed")
