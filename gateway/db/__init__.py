@@ -25,7 +25,7 @@ from sqlmodel import Session
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
