@@ -28,7 +28,7 @@ from gateway.metrics import GatewayMetrics, MetricsMiddleware, metrics_router
 from gateway.middleware import GatewayMiddleware
 from gateway.quotas import build_quotas
 from gateway.runs.expiry import sweep_forever
-from gateway.settings import Settings
+from gateway.settings import Secrets, Settings
 from gateway.tinker_api import (
     checkpoints,
     compat,
@@ -50,6 +50,7 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.db_engine = make_engine(settings.database_url)
+        app.state.secrets = Secrets.load(settings.data_dir)
         # With Redis (TWINKLE_REDIS_URL or gateway.redis_url), futures, idempotency keys and quota
         # state are shared by gateway replicas and survive restarts.
         redis_url = effective_redis_url(settings.redis_url, config)
@@ -65,7 +66,7 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         if app.state.metrics is not None:
             app.state.quotas.on_denial = app.state.metrics.quota_denied
         app.state.jwt = build_jwt(
-            settings.data_dir, config.gateway.jwt_enabled, config.gateway.jwt_ttl_seconds
+            app.state.secrets.jwt, config.gateway.jwt_enabled, config.gateway.jwt_ttl_seconds
         )
         app.state.usage = UsageLedger(app.state.db_engine)
         loop = asyncio.get_running_loop()

@@ -1,22 +1,19 @@
 """Short-lived JWTs for the Tinker SDK's own flow (``pjwt_auth_enabled``).
 
-Owns minting (POST /api/v1/auth/token exchanges an API key for a JWT), verification, and the
-signing secret. Tokens are HS256, signed with joserfc (authlib's JOSE implementation, which
+Owns minting (POST /api/v1/auth/token exchanges an API key for a JWT) and verification. Tokens are HS256, signed with joserfc (authlib's JOSE implementation, which
 authlib 1.9 itself delegates to). Claims: ``sub`` (``tml:user:<id>``), ``org_id`` (what the SDK's
 ``whoami`` turns into ``tml:organization:<org_id>``), ``kid`` (the API key's id), ``scope``,
 ``iat``, ``exp``, ``iss``. A JWT only names its key: every request re-reads the key row, so
 revoking the key (or disabling its user or organization) revokes its JWTs at once.
 
-The secret comes from ``TWINKLE_JWT_SECRET`` (required when several gateway replicas run on
-different hosts), else a random one kept in ``<data_dir>/jwt_secret`` (mode 0600).
+The secret is loaded once per replica by `gateway.settings.Secrets`: ``TWINKLE_JWT_SECRET``
+(required when replicas run on hosts that share no data dir), else a random one kept in
+``<data_dir>/jwt_secret`` (mode 0600).
 """
 
 from __future__ import annotations
 
-import os
-import secrets
 import time
-from pathlib import Path
 
 from joserfc import jwt
 from joserfc.errors import JoseError
@@ -25,22 +22,7 @@ from joserfc.jwk import OctKey
 from gateway.errors import InvalidTokenError
 
 ISSUER = "twinkle"
-SECRET_ENV = "TWINKLE_JWT_SECRET"
-SECRET_FILE = "jwt_secret"
 ALGORITHM = "HS256"
-
-
-def load_secret(data_dir: Path, environ: dict[str, str] | None = None) -> bytes:
-    env = os.environ if environ is None else environ
-    if env.get(SECRET_ENV):
-        return env[SECRET_ENV].encode("utf-8")
-    path = Path(data_dir) / SECRET_FILE
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(48))
-    return path.read_text().strip().encode("utf-8")
 
 
 class JwtIssuer:
@@ -79,8 +61,8 @@ class JwtIssuer:
         return key_id
 
 
-def build_jwt(data_dir: Path, enabled: bool, ttl_seconds: int) -> JwtIssuer | None:
+def build_jwt(secret: bytes, enabled: bool, ttl_seconds: int) -> JwtIssuer | None:
     """The replica's JWT issuer when ``gateway.jwt_enabled``, else None."""
     if not enabled:
         return None
-    return JwtIssuer(load_secret(data_dir), ttl_seconds)
+    return JwtIssuer(secret, ttl_seconds)
