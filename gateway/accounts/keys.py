@@ -69,20 +69,6 @@ def display_prefix(key: str) -> str:
     return key[:DISPLAY_PREFIX_LEN]
 
 
-def create_user_and_key(
-    session: Session, *, user_name: str, admin: bool, org_name: str | None = None
-) -> str:
-    """Create user ``user_name`` (in organization ``org_name``, default "default") if missing,
-    add a key (scope "admin" if ``admin`` else "user"), and return the plaintext key; this is the
-    only time it exists. Kept for ``twinkle keys create``; see `gateway.accounts.service` for the rest."""
-    from gateway.accounts.service import create_key, ensure_user
-
-    user = ensure_user(session, user_name, org_name=org_name, admin=admin)
-    assert user.id is not None
-    key, _row = create_key(session, user.id, scope=SCOPE_ADMIN if admin else SCOPE_USER)
-    return key
-
-
 def _principal(session: Session, key_row: ApiKeyRow) -> Principal:
     """The principal of a key row that matched, after the revocation, expiry and disable checks
     (done on every request, so a revocation takes effect on the next one)."""

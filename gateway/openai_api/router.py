@@ -22,8 +22,8 @@ from engine.protocol import SampleInput, SamplingParams
 from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.openai_api import responses as R
-from gateway.openai_api import streaming as S
+from gateway.openai_api import responses
+from gateway.openai_api import streaming
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from gateway.quotas.concurrency import SamplingLimiterDep
 from gateway.quotas.metering import SampleMeter
@@ -181,14 +181,14 @@ async def _sample(
     stops: list[str],
     first_index: int,
     prompt_field: str,
-) -> list[R.Choice]:
+) -> list[responses.Choice]:
     inp = _sample_input(target, prompt, n, params)
     return await _run(engine, target, inp, stops, first_index, prompt_field)
 
 
 async def _run(
     engine, target: Target, inp: SampleInput, stops: list[str], first_index: int, field: str
-) -> list[R.Choice]:
+) -> list[responses.Choice]:
     try:
         out = await engine.sampler(target.base_model, "sample", inp, affinity=target.adapter_dir)
     except UserInputError as exc:
@@ -197,7 +197,7 @@ async def _run(
     for j, seq in enumerate(out.sequences):
         pieces = await engine.sampler(target.base_model, "decode_pieces", list(seq.tokens))
         lps = list(seq.logprobs)
-        choices.append(R.finish(first_index + j, pieces, lps, seq.stop_reason, stops))
+        choices.append(responses.finish(first_index + j, pieces, lps, seq.stop_reason, stops))
     return choices
 
 
@@ -250,15 +250,15 @@ async def chat_completions(
         meter = await SampleMeter.start(
             request.app.state, who, limits, target.base_model, len(prompt), max_tokens * req.n
         )
-        rid, created, logprobs = R.new_id("chatcmpl"), R.now(), bool(req.logprobs)
+        rid, created, logprobs = responses.new_id("chatcmpl"), responses.now(), bool(req.logprobs)
         if req.stream:
             inp = _sample_input(target, prompt, req.n, params)
-            events = await S.open_stream(
-                S.sample_events(engine, target.base_model, inp, stops, 0),
+            events = await streaming.open_stream(
+                streaming.sample_events(engine, target.base_model, inp, stops, 0),
                 lambda exc: _engine_error(exc, "messages"),
             )
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = S.chat_sse(
+            stream = streaming.chat_sse(
                 rid,
                 req.model,
                 created,
@@ -277,7 +277,7 @@ async def chat_completions(
         await slot.release()
         raise
     await _finisher(meter, slot)(choices)
-    return R.chat_completion(rid, req.model, created, choices, len(prompt), logprobs)
+    return responses.chat_completion(rid, req.model, created, choices, len(prompt), logprobs)
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -307,7 +307,7 @@ async def completions(
     stops = req.stop_strings()
     prompts = _prompts(req)
     target = resolve_model(db, who, engine, req.model)
-    rid, created = R.new_id("cmpl"), R.now()
+    rid, created = responses.new_id("cmpl"), responses.now()
     logprobs = req.logprobs is not None
     limits = limiter.quotas.limits(who, db)
     slot = await limiter.acquire(who, limits)
@@ -343,11 +343,11 @@ async def completions(
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = await S.open_stream(
+            events = await streaming.open_stream(
                 _chain_events(engine, target, inputs, stops, req.n),
                 lambda exc: _engine_error(exc, inputs[0][0]),
             )
-            stream = S.completion_sse(
+            stream = streaming.completion_sse(
                 rid,
                 req.model,
                 created,
@@ -358,7 +358,7 @@ async def completions(
                 _finisher(meter, slot),
             )
             return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
-        choices: list[R.Choice] = []
+        choices: list[responses.Choice] = []
         for k, (field, inp) in enumerate(inputs):
             choices += await _run(engine, target, inp, stops, k * req.n, field)
     except BaseException:
@@ -367,14 +367,14 @@ async def completions(
         await slot.release()
         raise
     await _finisher(meter, slot)(choices)
-    return R.completion(rid, req.model, created, choices, prompt_tokens, logprobs)
+    return responses.completion(rid, req.model, created, choices, prompt_tokens, logprobs)
 
 
 def _finisher(meter: SampleMeter, slot):
     """Called once with the finished choices (None: the request failed or the client left):
     refund the unused token budget, record usage, free the sampling slot."""
 
-    async def finish(choices: list[R.Choice] | None) -> None:
+    async def finish(choices: list[responses.Choice] | None) -> None:
         try:
             await meter.finish(None if choices is None else sum(c.n_tokens for c in choices))
         finally:
@@ -386,5 +386,5 @@ def _finisher(meter: SampleMeter, slot):
 async def _chain_events(engine, target: Target, inputs, stops: list[str], n: int):
     """The prompts of one /v1/completions request, streamed one after another."""
     for k, (_field, inp) in enumerate(inputs):
-        async for ev in S.sample_events(engine, target.base_model, inp, stops, k * n):
+        async for ev in streaming.sample_events(engine, target.base_model, inp, stops, k * n):
             yield ev

@@ -28,7 +28,7 @@ from engine.base_models.registry import resolve_model_dir
 from engine.local.model import MultiLoraTransformersModel as LocalModel
 from engine.sampler import Sampler
 from engine.trainer import Trainer
-from gateway.accounts.keys import create_user_and_key
+from gateway.accounts.service import create_user_and_key
 from gateway.config import ServerConfig
 from gateway.db import make_engine, session_scope, upgrade_to_head
 from gateway.engine_client import EngineClient
