@@ -181,10 +181,16 @@ def test_lora_rank_and_checkpoint_caps(replicas, tmp_path) -> None:
 
 
 def test_more_than_one_gateway_replica_needs_redis() -> None:
+    """Checked by `twinkle serve` once the environment is known: TWINKLE_REDIS_URL counts too."""
+    from gateway.config import check_replicas_share_state
+
+    two = ServerConfig.from_dict({"gateway": {"num_replicas": 2}})
     with pytest.raises(ConfigError) as ei:
-        ServerConfig.from_dict({"gateway": {"num_replicas": 2}})
-    assert "redis_url" in str(ei.value)
+        check_replicas_share_state(None, two)
+    assert "gateway.redis_url" in str(ei.value) and "TWINKLE_REDIS_URL" in str(ei.value)
+    check_replicas_share_state("redis://h:6379/0", two)  # the variable alone is enough
     ok = ServerConfig.from_dict({"gateway": {"num_replicas": 2, "redis_url": "redis://h:6379/0"}})
+    check_replicas_share_state(None, ok)
     assert ok.gateway.num_replicas == 2
 
 
