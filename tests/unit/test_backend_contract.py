@@ -174,3 +174,18 @@ def test_grad_norm_matches_on_mock_and_transformers(tiny_model_dir) -> None:
         assert be.has_pending_grad("a")
         assert be.adapter_grad("a", "zero") is None
         assert not be.has_pending_grad("a") and be.adapter_grad("a", "norm") == 0.0
+
+
+def test_backends_import_nothing_above_them() -> None:
+    """engine/backends is the bottom layer: no gateway, web framework, DB or Ray Serve."""
+    banned = ("gateway", "fastapi", "starlette", "sqlalchemy", "ray", "engine.trainer")
+    for path in sorted((ROOT / "engine" / "backends").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(banned), f"{path.name} imports {name}"
