@@ -32,11 +32,17 @@ class ReplicaConfig(_Strict):
 class ModelConfig(_Strict):
     name: str = Field(description="Base model name clients use (e.g. twinkle/tiny-chat)")
     path: str | None = Field(None, description="Local HF folder; None only for built-in models")
-    backend: Literal["transformers"] = Field("transformers", description="Training backend")
-    sampler_type: Literal["torch", "vllm"] = Field(
+    # The names engine/backends/registry.py builds (a test keeps the two lists equal; the
+    # registry is not imported here, so loading a config never imports a backend).
+    backend: Literal["transformers", "megatron", "mock"] = Field(
+        "transformers",
+        description="Training backend: transformers (CPU or one GPU), megatron (not built yet), "
+        "or mock (deterministic, no torch; routing tests only)",
+    )
+    sampler_type: Literal["torch", "vllm", "mock"] = Field(
         "torch",
-        description="Sampler backend: torch (CPU or one GPU, built in) or vllm (GPU; "
-        "needs the `gpu` extra)",
+        description="Sampler backend: torch (CPU or one GPU, built in), vllm (GPU; "
+        "needs the `gpu` extra) or mock (deterministic, no torch; routing tests only)",
     )
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -66,6 +72,20 @@ class ModelConfig(_Strict):
     )
     trainer: ReplicaConfig = Field(default_factory=ReplicaConfig)
     sampler: ReplicaConfig = Field(default_factory=ReplicaConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _use_megatron(cls, data: Any) -> Any:
+        """Upstream Twinkle's spelling ``use_megatron: true`` means ``backend: megatron``."""
+        if not isinstance(data, dict) or "use_megatron" not in data:
+            return data
+        data = dict(data)
+        flag = data.pop("use_megatron")
+        if not isinstance(flag, bool):
+            raise ValueError(f"use_megatron must be true or false, got {flag!r}")
+        if flag and data.setdefault("backend", "megatron") != "megatron":
+            raise ValueError(f"use_megatron: true contradicts backend {data['backend']!r}")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

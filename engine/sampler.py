@@ -14,45 +14,21 @@ runs wait for the next batch. Each request gets its own result or error.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import numbers
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 
-from engine.backends.base import SamplingBackend
+from engine.backends.base import SamplingBackend, TokenListener
+from engine.backends.registry import build_sampling_backend
 from engine.config import ModelConfig
 from engine.protocol import SampleDelta, SampleInput, SampleOutput
 
 DEFAULT_MAX_BATCH_ROWS = 64
 
 #: ``listener(sample_index, token, logprob)``, called on the sampling thread per generated token
-Listener = Callable[[int, int, float], None]
-
-
-def build_sampling_backend(model: ModelConfig, data_dir: str) -> SamplingBackend:
-    """The backend ``model.sampler_type`` names (imported here: vllm is an optional extra)."""
-    from engine.base_models.registry import resolve_model_dir
-
-    model_dir = str(resolve_model_dir(model.name, data_dir, model.path))
-    if model.sampler_type == "vllm":
-        from engine.backends.sample_vllm import VllmSamplingBackend
-
-        args = dict(model.vllm_engine_args)
-        if model.max_context_length is not None:
-            args.setdefault("max_model_len", model.max_context_length)
-        return VllmSamplingBackend(model_dir, max_lora_rank=model.max_lora_rank, engine_args=args)
-    from engine.backends.sample_torch import TorchSamplingBackend
-
-    return TorchSamplingBackend(model_dir)
-
-
-def _takes_listeners(sample_many) -> bool:
-    try:
-        return "listeners" in inspect.signature(sample_many).parameters
-    except (TypeError, ValueError):
-        return False
+Listener = TokenListener
 
 
 def _rows(inp: SampleInput) -> int:
@@ -62,6 +38,9 @@ def _rows(inp: SampleInput) -> int:
 
 
 class Sampler:
+    """One base model's sampling replica: batches requests onto one `SamplingBackend` (built by
+    name in engine/backends/registry.py unless one is injected) on one worker thread."""
+
     def __init__(
         self,
         model: ModelConfig | dict,
@@ -223,16 +202,14 @@ class Sampler:
     def _execute(
         self, inputs: Sequence[SampleInput], listeners: Sequence[Listener | None]
     ) -> list[SampleOutput | BaseException]:
-        sample_many = getattr(self.backend, "sample_many", None)
-        if sample_many is not None:
-            try:
-                if any(lis is not None for lis in listeners) and _takes_listeners(sample_many):
-                    return list(sample_many(inputs, listeners))
-                return list(sample_many(inputs))
-            except Exception as e:  # noqa: BLE001 (an unexpected failure of the whole batch)
-                if len(inputs) == 1:
-                    return [e]
-                # retry one by one, so only the request that fails gets the error
+        try:
+            if any(lis is not None for lis in listeners):
+                return list(self.backend.sample_many(inputs, listeners))
+            return list(self.backend.sample_many(inputs))
+        except Exception as e:  # noqa: BLE001 (an unexpected failure of the whole batch)
+            if len(inputs) == 1:
+                return [e]
+            # retry one by one, so only the request that fails gets the error
         results: list[SampleOutput | BaseException] = []
         for inp in inputs:
             try:
@@ -250,7 +227,7 @@ class Sampler:
     # ==========================================================================================
 
     async def _text_tokenizer(self):
-        tok = getattr(self.backend, "tokenizer", None)
+        tok = self.backend.tokenizer
         if tok is None:
             from engine.errors import BackendError
 

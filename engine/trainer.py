@@ -1,9 +1,11 @@
 """The Trainer: one base model, many tenants' adapters.
 
-Per model, requests run in seq_id order (engine/sequencer.py); across tenants, compute is shared
-fairly by deficit round robin over tokens (engine/scheduling/fair.py), with big forward_backward requests
-sliced so that small tenants never wait behind a whole big batch; adapters beyond the configured
-capacity are offloaded and reloaded transparently (engine/scheduling/adapter_pool.py).
+Per model, requests run in seq_id order (engine/scheduling/sequencer.py); across tenants, compute
+is shared fairly by deficit round robin over tokens (engine/scheduling/fair.py), with big
+forward_backward requests sliced so that small tenants never wait behind a whole big batch;
+adapters beyond the configured capacity are offloaded and reloaded transparently
+(engine/scheduling/adapter_pool.py). The backend is built by name (engine/backends/registry.py)
+and driven only through its contract (engine/backends/base.py).
 
 Works in-process (tests, the local API) and as a Ray Serve deployment (engine/app.py): every
 public method is a coroutine.
@@ -12,11 +14,11 @@ public method is a coroutine.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from pathlib import Path
 
-from engine.backends.base import TrainingBackend
+from engine.backends.base import GradOp, TrainingBackend, check_grad_op
+from engine.backends.registry import build_training_backend
 from engine.config import ModelConfig
 from engine.protocol import (
     AdamParams,
@@ -34,18 +36,10 @@ from engine.scheduling.slicing import merge_outputs, slice_input
 log = logging.getLogger(__name__)
 
 
-def build_training_backend(model: ModelConfig, data_dir: str) -> TrainingBackend:
-    """Resolve the model folder (building the tiny model if needed) and load the backend."""
-    from engine.backends.train_transformers import TransformersTrainingBackend
-    from engine.base_models.registry import resolve_model_dir
-
-    model_dir = resolve_model_dir(model.name, data_dir, model.path)
-    return TransformersTrainingBackend(
-        str(model_dir), max_lora_rank=model.max_lora_rank, base_model_name=model.name
-    )
-
-
 class Trainer:
+    """One base model's training replica: many tenants' adapters on one `TrainingBackend`, built
+    by name (engine/backends/registry.py) unless one is injected."""
+
     def __init__(
         self,
         model: ModelConfig | dict,
@@ -107,8 +101,8 @@ class Trainer:
         CPU for a 25 M model). The old fixed 2 x 2x64 probe picked fused on the tiny model although
         real 8x128 batches run 1.8x faster sequentially (benchmarks/README.md)."""
         seq_len = 128
-        max_pos = getattr(self.backend, "max_positions", None)
-        if isinstance(max_pos, int) and max_pos > 1:
+        max_pos = self.backend.max_positions
+        if max_pos is not None and max_pos > 1:
             seq_len = min(seq_len, max_pos)
         tokens = min(self.model.slice_tokens, 512)
         return {
@@ -123,7 +117,7 @@ class Trainer:
             "base_model": self.model.name,
             "vocab_size": self.backend.vocab_size,
             "max_lora_rank": self.backend.max_lora_rank,
-            "max_context_length": getattr(self.backend, "max_positions", None),
+            "max_context_length": self.backend.max_positions,
         }
 
     async def stats(self) -> dict:
@@ -228,9 +222,7 @@ class Trainer:
                     fuse_item=(model_id, inp),
                 )
             # Validate the whole request before any slice adds to the gradient.
-            validate = getattr(self.backend, "validate_input", None)
-            if validate is not None:
-                validate(inp)
+            self.backend.validate_input(inp)
             outs = []
             for part, cost in slices:
                 outs.append(
@@ -266,30 +258,15 @@ class Trainer:
                 "save",
             )
 
-    async def adapter_grad(self, model_id: str, seq_id: int, op: str) -> float | None:
+    async def adapter_grad(self, model_id: str, seq_id: int, op: GradOp) -> float | None:
         """In seq order, the adapter's accumulated gradient for the native API's clip_grad_norm
-        / zero_grad: ``op`` "norm" → its L2 norm (0.0 without one), "zero" → drop it. None when
-        the backend gives no access to gradients."""
-        if op not in ("norm", "zero"):
-            raise ValueError(f"adapter_grad: unknown op {op!r}")
-
-        def run() -> float | None:
-            model = getattr(self.backend, "model", None)
-            if model is None:
-                return None
-            from engine.backends.lora import adapter_parameters
-
-            params = list(adapter_parameters(model, model_id).values())
-            if op == "zero":
-                for p in params:
-                    p.grad = None
-                return None
-            return math.sqrt(
-                sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
-            )
-
+        / zero_grad: ``op`` "norm" → its L2 norm (0.0 without one), "zero" → drop it
+        (`TrainingBackend.adapter_grad`). An unknown op is a UserInputError before sequencing."""
+        check_grad_op(op)
         async with self._seq.turn(model_id, seq_id):
-            return await self._compute(model_id, FIXED_COST, run, f"grad_{op}")
+            return await self._compute(
+                model_id, FIXED_COST, lambda: self.backend.adapter_grad(model_id, op), f"grad_{op}"
+            )
 
     async def _skip(self, model_id: str, seq_id: int) -> None:
         """Let a request the gateway rejected pass the ordering, so later ones are not held up."""

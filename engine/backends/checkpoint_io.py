@@ -17,11 +17,13 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import CheckpointError
 from engine.protocol import LoraSpec
+
+if TYPE_CHECKING:  # torch is imported where it is used, so the torch-free mock backend can
+    import torch  # share the directory layout (write, manifest, state) with the real one
 
 STATE_FILE = "twinkle_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -112,6 +114,8 @@ def read_state(path: Path) -> tuple[LoraSpec, int]:
 def read_optimizer(path: Path, files: dict, device: torch.device) -> dict:
     if OPTIMIZER_FILE not in files:
         raise CheckpointError(f"checkpoint {path} has no optimizer state (saved weights only)")
+    import torch
+
     try:
         return torch.load(path / OPTIMIZER_FILE, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch.load raises many types on corrupt files

@@ -10,25 +10,18 @@ and prompt logprobs. `sample` is `sample_many` of one request.
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from pathlib import Path
 
 import torch
 
-from engine.backends.base import SamplingBackend
-from engine.backends.lora import (
-    ADAPTER_WEIGHTS_NAME,
-    inject_multi_lora,
-    load_adapter,
-    remove_adapter,
-)
+from engine.backends.adapter_cache import AdapterDirCache
+from engine.backends.base import SamplingBackend, TokenListener
+from engine.backends.lora import inject_multi_lora, load_adapter, remove_adapter
 from engine.backends.sample_checks import validate_sample_input
 from engine.backends.sample_decode import RequestState, decode_batch
 from engine.backends.sample_decode import filter_logits as _filter_logits  # noqa: F401 (tests)
-from engine.errors import CheckpointError, EngineError
+from engine.errors import EngineError
 from engine.protocol import SampleInput, SampleOutput
 
 #: the prompt_alt_tokens draws of a seeded request use this seed XOR the request seed
@@ -55,9 +48,8 @@ class TorchSamplingBackend(SamplingBackend):
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.device = self.model.get_input_embeddings().weight.device
         self.max_cached_adapters = max(1, int(max_cached_adapters))
-        # (realpath, mtime_ns, size) of adapter_model.safetensors → internal adapter id; the stat
-        # parts make a directory rewritten in place load afresh instead of serving stale weights.
-        self._cache: OrderedDict[tuple[str, int, int], str] = OrderedDict()
+        # adapter directory → internal adapter id (engine/backends/adapter_cache.py)
+        self._cache: AdapterDirCache[str] = AdapterDirCache(self.max_cached_adapters)
         self._next_id = 0
         self._retired: list[str] = []  # replaced in place while pinned; unloaded after the batch
         pad = self.tokenizer.pad_token_id
@@ -70,26 +62,24 @@ class TorchSamplingBackend(SamplingBackend):
         (used by the batch being assembled) are never evicted or unloaded here: the cache may
         then exceed its size until `_trim_cache` runs after the batch."""
         pinned = pinned if pinned is not None else set()
-        path = os.path.realpath(adapter_dir)
-        try:
-            st = (Path(path) / ADAPTER_WEIGHTS_NAME).stat()
-        except OSError:
-            raise CheckpointError(f"adapter checkpoint {adapter_dir} not found") from None
-        key = (path, st.st_mtime_ns, st.st_size)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        for stale in [k for k in self._cache if k[0] == path]:
-            stale_id = self._cache.pop(stale)
+        loaded: list[str] = []
+
+        def load(path: str) -> str:
+            adapter_id = f"sampler-{self._next_id}"
+            self._next_id += 1
+            load_adapter(self.model, adapter_id, path)
+            loaded.append(adapter_id)
+            return adapter_id
+
+        def drop_stale(stale_id: str) -> None:
             if stale_id in pinned:  # an earlier request of this batch uses the old weights
                 self._retired.append(stale_id)
             else:
                 remove_adapter(self.model, stale_id)
-        adapter_id = f"sampler-{self._next_id}"
-        self._next_id += 1
-        load_adapter(self.model, adapter_id, path)
-        self._cache[key] = adapter_id
-        self._trim_cache(pinned | {adapter_id})
+
+        adapter_id = self._cache.get(adapter_dir, load, drop_stale)
+        if loaded:  # only a load can grow the cache past its size
+            self._trim_cache(pinned | {adapter_id})
         return adapter_id
 
     def _trim_cache(self, pinned: AbstractSet[str] = frozenset()) -> None:
@@ -97,17 +87,11 @@ class TorchSamplingBackend(SamplingBackend):
         for stale_id in [a for a in self._retired if a not in pinned]:
             self._retired.remove(stale_id)
             remove_adapter(self.model, stale_id)
-        excess = len(self._cache) - self.max_cached_adapters
-        for key in list(self._cache):
-            if excess <= 0:
-                break
-            if self._cache[key] not in pinned:
-                remove_adapter(self.model, self._cache.pop(key))
-                excess -= 1
+        self._cache.trim(lambda a: remove_adapter(self.model, a), keep=lambda a: a in pinned)
 
     def cached_adapter_dirs(self) -> list[str]:
         """Adapter directories currently loaded, least recently used first."""
-        return [k[0] for k in self._cache]
+        return self._cache.dirs()
 
     # ------------------------------------------------------------------------------- validation
 
@@ -158,7 +142,7 @@ class TorchSamplingBackend(SamplingBackend):
     def sample_many(
         self,
         inputs: Sequence[SampleInput],
-        listeners: Sequence[Callable[[int, int, float], None] | None] | None = None,
+        listeners: Sequence[TokenListener | None] | None = None,
     ) -> list[SampleOutput | EngineError]:
         """Decode all ``inputs`` (any adapters, prompt lengths and params) in one batch.
 

@@ -24,8 +24,9 @@ base rows silently get that adapter's output (the GPU Triton kernels skip -1). O
 base-model requests therefore run through an all-zero rank-1 adapter (written at start-up), so no
 row ever carries -1.
 
-Adapter cache: ``(realpath, mtime_ns, size)`` of ``adapter_model.safetensors`` → a LoRARequest
-with a fresh int id (a directory rewritten in place gets a new id, so vLLM never serves stale weights).
+Adapter cache (engine/backends/adapter_cache.py): ``(realpath, mtime_ns, size)`` of
+``adapter_model.safetensors`` → a LoRARequest with a fresh int id (a directory rewritten in place
+gets a new id, so vLLM never serves stale weights).
 Every LoRARequest carries its path, so when vLLM has evicted the adapter from its own CPU cache
 (``max_cpu_loras``) it reloads it from disk: a cache miss is never an error.
 
@@ -35,16 +36,16 @@ when a model is configured with ``sampler_type: vllm``, and the main venv does n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
 import tempfile
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.backends.base import SamplingBackend
+from engine.backends.adapter_cache import AdapterDirCache
+from engine.backends.base import SamplingBackend, TokenListener
 from engine.backends.lora import ADAPTER_WEIGHTS_NAME, read_adapter_config
 from engine.backends.sample_checks import validate_sample_input
 from engine.errors import BackendError, CheckpointError, ConfigError, EngineError
@@ -113,7 +114,8 @@ class VllmSamplingBackend(SamplingBackend):
         if eos is None:
             eos = getattr(model_config.hf_config, "eos_token_id", None)
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self._cache: OrderedDict[tuple[str, int, int], Any] = OrderedDict()  # → LoRARequest
+        # adapter directory → LoRARequest (engine/backends/adapter_cache.py)
+        self._cache: AdapterDirCache[Any] = AdapterDirCache(self.max_cached_adapters)
         self._next_id = 1  # vLLM reserves 0 (no adapter)
         from vllm.platforms import current_platform
 
@@ -127,19 +129,13 @@ class VllmSamplingBackend(SamplingBackend):
     def _lora_request(self, adapter_dir: str):
         """The LoRARequest of the adapter in ``adapter_dir``, loading (and so checking) it in vLLM
         on first use. CheckpointError when vLLM cannot load it."""
+        return self._cache.get(adapter_dir, lambda p: self._load_lora(adapter_dir, p), self._forget)
+
+    def _load_lora(self, adapter_dir: str, path: str):
+        """A new LoRARequest for the adapter in ``path`` (realpath of ``adapter_dir``, which error
+        messages name), loaded in vLLM now."""
         from vllm.lora.request import LoRARequest
 
-        path = os.path.realpath(adapter_dir)
-        try:
-            st = (Path(path) / ADAPTER_WEIGHTS_NAME).stat()
-        except OSError:
-            raise CheckpointError(f"adapter checkpoint {adapter_dir} not found") from None
-        key = (path, st.st_mtime_ns, st.st_size)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        for stale in [k for k in self._cache if k[0] == path]:  # rewritten in place
-            self._forget(self._cache.pop(stale))
         spec = read_adapter_config(path)  # CheckpointError for configs we cannot honour
         if spec.rank > self.max_lora_rank:
             raise CheckpointError(
@@ -163,7 +159,6 @@ class VllmSamplingBackend(SamplingBackend):
             raise CheckpointError(
                 f"adapter checkpoint {adapter_dir} cannot be loaded by vLLM: {detail}{hint}"
             ) from None
-        self._cache[key] = req
         return req
 
     def _zero_adapter(self, hf_config):
@@ -197,21 +192,18 @@ class VllmSamplingBackend(SamplingBackend):
         return req
 
     def _forget(self, req) -> None:
-        try:  # best effort: vLLM may have evicted it already, which is fine
+        # best effort: vLLM may have evicted it already, which is fine
+        with contextlib.suppress(Exception):
             self.llm.llm_engine.remove_lora(req.lora_int_id)
-        except Exception:  # noqa: BLE001
-            pass
 
     def _trim_cache(self) -> None:
         """Drop least recently used ids beyond the cache size (after a batch: its adapters were
         all in use). A dropped directory gets a new id and is reloaded on its next use."""
-        while len(self._cache) > self.max_cached_adapters:
-            _, req = self._cache.popitem(last=False)
-            self._forget(req)
+        self._cache.trim(self._forget)
 
     def cached_adapter_dirs(self) -> list[str]:
         """Adapter directories with an id, least recently used first."""
-        return [k[0] for k in self._cache]
+        return self._cache.dirs()
 
     # ------------------------------------------------------------------------------- requests
 
@@ -270,8 +262,14 @@ class VllmSamplingBackend(SamplingBackend):
             ]
         return SampleOutput(sequences=seqs, prompt_logprobs=prompt_lps)
 
-    def sample_many(self, inputs: Sequence[SampleInput]) -> list[SampleOutput | EngineError]:
+    def sample_many(
+        self,
+        inputs: Sequence[SampleInput],
+        listeners: Sequence[TokenListener | None] | None = None,
+    ) -> list[SampleOutput | EngineError]:
         """Generate for all ``inputs`` (any adapters and params) in one ``LLM.generate`` call.
+        ``listeners`` are not called: ``LLM.generate`` returns whole outputs only, so a stream
+        from this backend carries just the final output (see `SamplingBackend.sample_many`).
 
         Slot i gets input i's output, or the EngineError that input alone raised (validation, a
         missing or unloadable checkpoint); a failing input does not stop the others. Unexpected

@@ -23,7 +23,7 @@ from torch import nn
 
 from engine.backends import checkpoint_io as ckpt
 from engine.backends import losses
-from engine.backends.base import TrainingBackend
+from engine.backends.base import GradOp, TrainingBackend, check_grad_op
 from engine.backends.lora import (
     adapter_parameters,
     add_adapter,
@@ -169,6 +169,22 @@ class TransformersTrainingBackend(TrainingBackend):
         adapter that is not loaded: it holds no gradient here)."""
         st = self._adapters.get(adapter_id)
         return bool(st is not None and st.has_grad)
+
+    def adapter_grad(self, adapter_id: str, op: GradOp) -> float | None:
+        """The accumulated gradient's float64 L2 norm ("norm"), or drop it ("zero")."""
+        check_grad_op(op)
+        st = self._get(adapter_id)
+        if op == "norm":
+            grads = [p.grad for p in st.params.values() if p.grad is not None]
+            return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+        for p in st.params.values():
+            p.grad = None
+        st.has_grad = False
+        return None
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":  # CUDA launches are asynchronous; CPU ops are not
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------------------- forward
 

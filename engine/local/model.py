@@ -33,7 +33,6 @@ Not thread-safe: drive one instance from one thread.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -244,14 +243,6 @@ class MultiLoraTransformersModel:
 
     # ------------------------------------------------------------------------------- optimizer
 
-    def _grad_params(self, adapter_name: str) -> list | None:
-        model = getattr(self.backend, "model", None)
-        if model is None:
-            return None
-        from engine.backends.lora import adapter_parameters
-
-        return list(adapter_parameters(model, adapter_name).values())
-
     def clip_grad_norm(
         self,
         max_grad_norm: float = 1.0,
@@ -263,14 +254,9 @@ class MultiLoraTransformersModel:
         Returns the current unclipped L2 norm (0.0 without a gradient; None if unavailable)."""
         st = self._st(adapter_name)
         st.clip = check_clip(max_grad_norm, norm_type)
-        params = self._grad_params(adapter_name)
-        if params is None:
-            return None
         if not st.pending_grad:
             return 0.0
-        return math.sqrt(
-            sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
-        )
+        return self.backend.adapter_grad(adapter_name, "norm")
 
     def step(self, *, adapter_name: str = DEFAULT_ADAPTER) -> dict[str, float] | None:
         """Count one step; every ``gradient_accumulation_steps``-th call runs AdamW with lr =
@@ -306,11 +292,7 @@ class MultiLoraTransformersModel:
         st = self._st(adapter_name)
         if st.micro != 0 or not st.pending_grad:
             return
-        params = self._grad_params(adapter_name)
-        if params is None:
-            raise UserInputError("zero_grad: this backend cannot drop accumulated gradients")
-        for p in params:
-            p.grad = None
+        self.backend.adapter_grad(adapter_name, "zero")
         st.pending_grad = False
 
     def lr_step(self, *, adapter_name: str = DEFAULT_ADAPTER) -> None:

@@ -30,7 +30,7 @@ MIN_SPEEDUP = 1.05
 
 def _rank(backend: TrainingBackend) -> int:
     """The largest power of two ≤ min(8, backend.max_lora_rank): a typical small adapter."""
-    limit = max(1, min(8, int(getattr(backend, "max_lora_rank", 8))))
+    limit = max(1, min(8, int(backend.max_lora_rank)))
     return 1 << (limit.bit_length() - 1)
 
 
@@ -45,16 +45,6 @@ def _synthetic_request(rng: np.random.Generator, vocab: int, batch: int, seq_len
             )
         )
     return ForwardBackwardInput(data=data, loss_fn="cross_entropy")
-
-
-def _synchronizer(backend: TrainingBackend) -> Callable[[], None]:
-    """Waits for queued device work (CUDA launches are asynchronous); a no-op on CPU."""
-    device = getattr(backend, "device", None)
-    if getattr(device, "type", None) == "cuda":
-        import torch
-
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
 
 
 def _check(results) -> None:
@@ -83,14 +73,14 @@ def measure_execution_costs(
     if n_adapters < 1 or batch < 1 or seq_len < 2 or repeats < 1:
         raise ValueError("measure_execution_costs: n_adapters, batch, repeats >= 1, seq_len >= 2")
     vocab = int(backend.vocab_size)
-    max_pos = getattr(backend, "max_positions", None)
-    if isinstance(max_pos, int) and max_pos > 1:
+    max_pos = backend.max_positions
+    if max_pos is not None and max_pos > 1:
         seq_len = min(seq_len, max_pos)
     rng = np.random.default_rng(0)
     tag = uuid.uuid4().hex[:8]
     ids = [f"{ADAPTER_PREFIX}{tag}-{i}" for i in range(n_adapters)]
     items = [(aid, _synthetic_request(rng, vocab, batch, seq_len)) for aid in ids]
-    sync = _synchronizer(backend)
+    sync = backend.synchronize  # CUDA launches are asynchronous: wait before reading the clock
 
     def fused() -> None:
         _check(backend.forward_backward_many(items))

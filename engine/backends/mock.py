@@ -1,0 +1,403 @@
+"""The ``mock`` backend pair: deterministic, cheap, torch-free. FOR ROUTING TESTS ONLY.
+
+Config ``backend: mock`` / ``sampler_type: mock`` (engine/backends/registry.py). It implements the
+whole `TrainingBackend` / `SamplingBackend` contract (validation, per-adapter gradients and AdamW
+state, atomic checkpoints as real files, sampling from checkpoint directories) over a toy model, so
+tests of scheduling, routing, ordering, quotas and persistence run in milliseconds without torch.
+Its numbers are NOT a language model's: never use it where numbers are tested against the real
+backend.
+
+The toy model: an adapter is a float64 vector ``w`` of `DIM` entries (zero at creation, as LoRA's
+B = 0; ``a`` holds its seed's draw, saved but unused, so the seed shows in checkpoints). The
+log-probability of target token t after input token x is
+``base(x, t) + w[t % DIM]`` with ``base = -log(vocab) - ((7 x + 3 t) % 11) / 11``. Every loss is
+``-sum(coef * logprob)`` with ``coef`` the datum's ``weights``, else its ``advantages``, else 1;
+so gradients and AdamW steps are exact and cheap. Checkpoints use the real layout
+(engine/backends/checkpoint_io.py: manifest, ``twinkle_state.json``) with the weights in
+``adapter_model.safetensors`` (safetensors' numpy API). Sampling is a hash of (adapter weights file
+contents, prompt, seed, sample index, position): printable ASCII token ids, so the byte-level
+`MockTokenizer` decodes them to text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.backends import checkpoint_io as ckpt
+from engine.backends.adapter_cache import WEIGHTS_FILE, AdapterDirCache
+from engine.backends.base import (
+    GradOp,
+    SamplingBackend,
+    TokenListener,
+    TrainingBackend,
+    check_grad_op,
+)
+from engine.backends.sample_checks import is_int, validate_sample_input
+from engine.errors import AdapterNotFoundError, CheckpointError, EngineError, UserInputError
+from engine.protocol import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    LoraSpec,
+    OptimStepOutput,
+    SampledSequence,
+    SampleInput,
+    SampleOutput,
+)
+
+#: entries of an adapter's toy weight vector
+DIM = 16
+#: default vocabulary: 256 byte tokens, EOS, and room for clients' random ids
+VOCAB_SIZE = 512
+EOS_ID = 256
+#: the losses the real backend knows (engine/backends/losses.py KNOWN_LOSSES; a test pins it)
+MOCK_LOSSES = ("cispo", "cross_entropy", "dpo", "dro", "importance_sampling", "ppo")
+OPTIMIZER_FILE = "mock_optimizer.safetensors"
+
+
+def _spec_error(spec: LoraSpec, max_rank: int) -> str | None:
+    r, a = spec.rank, spec.alpha
+    if not is_int(r) or r < 1 or r & (r - 1):
+        return f"lora_config.rank {r!r} must be a power of 2 (1, 2, 4, ...)"
+    if r > max_rank:
+        return f"lora_config.rank {r} exceeds max LoRA rank {max_rank}"
+    if not (isinstance(a, (int, float)) and math.isfinite(a) and a > 0):
+        return f"lora_config.alpha {a!r} must be a positive finite number"
+    if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
+        return "lora_config: one of train_attn, train_mlp, train_unembed must be true"
+    return None
+
+
+@dataclass
+class _Adapter:
+    spec: LoraSpec
+    w: np.ndarray
+    a: np.ndarray
+    grad: np.ndarray | None = None
+    m: np.ndarray | None = None  # AdamW first and second moments
+    v: np.ndarray | None = None
+    step: int = 0
+
+    def fresh_optimizer(self) -> None:
+        self.m, self.v, self.step = np.zeros(DIM), np.zeros(DIM), 0
+
+
+class MockTrainingBackend(TrainingBackend):
+    """The toy-model training backend (see the module docstring). Routing tests only."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = VOCAB_SIZE,
+        max_lora_rank: int = 64,
+        max_positions: int | None = None,
+        base_model_name: str = "mock",
+    ) -> None:
+        self.vocab_size = int(vocab_size)
+        self.max_lora_rank = int(max_lora_rank)
+        self.max_positions = int(max_positions) if max_positions else 2048
+        self.base_model_name = base_model_name
+        self._adapters: dict[str, _Adapter] = {}
+
+    # -- adapters ------------------------------------------------------------------------------
+    def _get(self, adapter_id: str) -> _Adapter:
+        try:
+            return self._adapters[adapter_id]
+        except KeyError:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} is not loaded") from None
+
+    def _new(self, spec: LoraSpec) -> _Adapter:
+        a = np.random.default_rng(int(spec.seed) % (1 << 63)).standard_normal(DIM)
+        st = _Adapter(spec=spec, w=np.zeros(DIM), a=a)
+        st.fresh_optimizer()
+        return st
+
+    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
+        if not isinstance(adapter_id, str) or not adapter_id:
+            raise UserInputError("adapter_id: must be a non-empty string")
+        if adapter_id in self._adapters:
+            raise UserInputError(
+                f"adapter_id {adapter_id!r}: an adapter with this id exists already"
+            )
+        err = _spec_error(spec, self.max_lora_rank)
+        if err:
+            raise UserInputError(err)
+        self._adapters[adapter_id] = self._new(spec)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self._adapters
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        self._adapters.pop(adapter_id, None)
+
+    def adapter_spec(self, adapter_id: str) -> LoraSpec:
+        return self._get(adapter_id).spec
+
+    # -- passes --------------------------------------------------------------------------------
+    def _datum(self, i: int, d) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens [N], targets [N] or [N, K], coef like targets) of ``data[i]``, validated."""
+        f = f"data[{i}]"
+        tokens = np.asarray(d.tokens)
+        n = len(tokens)
+        if tokens.ndim != 1 or n == 0 or not np.issubdtype(tokens.dtype, np.integer):
+            raise UserInputError(f"{f}.tokens: must be a non-empty list of token ids")
+        if n > self.max_positions:
+            raise UserInputError(f"{f}.tokens: length {n} exceeds {self.max_positions}")
+        inputs = d.loss_fn_inputs or {}
+        if "target_tokens" not in inputs:
+            raise UserInputError(f"{f}.loss_fn_inputs.target_tokens: required")
+        targets = np.asarray(inputs["target_tokens"])
+        if targets.ndim not in (1, 2) or targets.shape[0] != n:
+            raise UserInputError(f"{f}.loss_fn_inputs.target_tokens: first dimension must be {n}")
+        if not np.issubdtype(targets.dtype, np.integer):
+            raise UserInputError(f"{f}.loss_fn_inputs.target_tokens: must hold token ids")
+        for name, arr in (("tokens", tokens), ("loss_fn_inputs.target_tokens", targets)):
+            if ((arr < 0) | (arr >= self.vocab_size)).any():
+                raise UserInputError(f"{f}.{name}: ids must be in [0, {self.vocab_size})")
+        key = next((k for k in ("weights", "advantages") if k in inputs), None)
+        coef = np.ones(targets.shape) if key is None else np.asarray(inputs[key], np.float64)
+        if coef.shape != targets.shape or not np.isfinite(coef).all():
+            raise UserInputError(f"{f}.loss_fn_inputs.{key}: must be finite, shaped like targets")
+        return tokens.astype(np.int64), targets.astype(np.int64), coef
+
+    def _request(self, inp: ForwardBackwardInput) -> list[tuple]:
+        if inp.loss_fn not in MOCK_LOSSES:
+            raise UserInputError(f"loss_fn {inp.loss_fn!r}: known: {', '.join(MOCK_LOSSES)}")
+        if not inp.data:
+            raise UserInputError("data: must contain at least one datum")
+        return [self._datum(i, d) for i, d in enumerate(inp.data)]
+
+    def validate_input(self, inp: ForwardBackwardInput) -> None:
+        self._request(inp)
+
+    def _logprobs(self, w: np.ndarray, tokens: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        x = tokens if targets.ndim == 1 else tokens[:, None]
+        base = -math.log(self.vocab_size) - ((7 * x + 3 * targets) % 11) / 11.0
+        return base + w[targets % DIM]
+
+    def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
+        st = self._get(adapter_id)
+        data = self._request(inp)  # all checks before any state changes
+        outputs, total, grad = [], 0.0, np.zeros(DIM)
+        for tokens, targets, coef in data:
+            lp = self._logprobs(st.w, tokens, targets)
+            loss = -coef * lp
+            total += float(loss.sum())
+            np.add.at(grad, (targets % DIM).ravel(), -coef.ravel())  # d loss / d w
+            outputs.append(
+                {"logprobs": lp.astype(np.float32), "elementwise_loss": loss.astype(np.float32)}
+            )
+        if not inp.forward_only:
+            st.grad = grad if st.grad is None else st.grad + grad
+        return ForwardBackwardOutput(outputs=outputs, metrics={"loss:sum": total})
+
+    # -- gradients and optimizer ---------------------------------------------------------------
+    def has_pending_grad(self, adapter_id: str) -> bool:
+        st = self._adapters.get(adapter_id)
+        return st is not None and st.grad is not None
+
+    def adapter_grad(self, adapter_id: str, op: GradOp) -> float | None:
+        check_grad_op(op)
+        st = self._get(adapter_id)
+        if op == "norm":
+            return 0.0 if st.grad is None else float(np.sqrt((st.grad**2).sum()))
+        st.grad = None
+        return None
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
+        st = self._get(adapter_id)
+        for name, value in asdict(params).items():
+            ok = isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+            if (
+                not ok
+                or (name in ("beta1", "beta2") and value >= 1)
+                or (name == "eps" and not value)
+            ):
+                raise UserInputError(f"adam_params.{name} {value!r} is out of range")
+        if st.grad is None:
+            raise UserInputError(
+                "optim_step: no gradient accumulated since the last optim_step; "
+                "call forward_backward first"
+            )
+        g, norm = st.grad, float(np.sqrt((st.grad**2).sum()))
+        if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+            g = g * (params.grad_clip_norm / (norm + 1e-6))  # as torch's clip_grad_norm_
+        assert st.m is not None and st.v is not None
+        b1, b2, lr = params.beta1, params.beta2, params.learning_rate
+        st.step += 1
+        st.m = b1 * st.m + (1 - b1) * g
+        st.v = b2 * st.v + (1 - b2) * g * g
+        m_hat, v_hat = st.m / (1 - b1**st.step), st.v / (1 - b2**st.step)
+        st.w = st.w * (1 - lr * params.weight_decay) - lr * m_hat / (np.sqrt(v_hat) + params.eps)
+        st.grad = None
+        metrics = {"grad_norm": norm, "learning_rate": float(lr), "step": float(st.step)}
+        return OptimStepOutput(metrics=metrics)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
+        from safetensors.numpy import save_file
+
+        st = self._get(adapter_id)
+
+        def fill(tmp: Path) -> None:
+            save_file({"mock.w": st.w, "mock.a": st.a}, str(tmp / WEIGHTS_FILE))
+            config = {
+                "peft_type": "LORA",
+                "r": st.spec.rank,
+                "lora_alpha": st.spec.alpha,
+                "target_modules": ["mock"],
+                "base_model_name_or_path": self.base_model_name,
+            }
+            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+            ckpt.write_state(tmp, st.spec, st.step, include_optimizer, self.base_model_name)
+            if include_optimizer:
+                save_file({"m": st.m, "v": st.v}, str(tmp / OPTIMIZER_FILE))
+
+        return ckpt.write_checkpoint_dir(Path(directory), fill)
+
+    def load_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> LoraSpec:
+        from safetensors.numpy import load_file
+
+        path = Path(directory)
+        files = ckpt.verify_manifest(path)
+        spec, step = ckpt.read_state(path)
+        if include_optimizer and OPTIMIZER_FILE not in files:
+            raise CheckpointError(f"checkpoint {path} has no optimizer state (saved weights only)")
+        try:
+            weights = load_file(str(path / WEIGHTS_FILE))
+            w, a = weights["mock.w"], weights["mock.a"]
+            opt = load_file(str(path / OPTIMIZER_FILE)) if include_optimizer else None
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types on bad files
+            raise CheckpointError(f"checkpoint {path}: not a mock checkpoint ({e})") from None
+        old = self._adapters.get(adapter_id)
+        if old is None:
+            err = _spec_error(spec, self.max_lora_rank)
+            if err:
+                raise CheckpointError(f"checkpoint {path}: {err}")
+        elif asdict(old.spec) | {"seed": 0} != asdict(spec) | {"seed": 0}:
+            raise CheckpointError(f"checkpoint {path} does not match adapter {adapter_id!r}")
+        st = _Adapter(spec=spec if old is None else old.spec, w=w.copy(), a=a.copy())
+        st.fresh_optimizer()
+        if opt is not None:
+            st.m, st.v, st.step = opt["m"].copy(), opt["v"].copy(), step
+        self._adapters[adapter_id] = st
+        return st.spec
+
+
+class MockTokenizer:
+    """Byte-level stand-in for a Hugging Face tokenizer: id < 256 is that byte, `EOS_ID` is
+    ``</s>``; the chat template writes ``<|role|>content\\n`` per message."""
+
+    eos_token, eos_token_id, pad_token_id = "</s>", EOS_ID, EOS_ID
+    chat_template = "mock"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = False, **_: object) -> str:
+        raw = bytearray()
+        for t in ids:
+            if 0 <= int(t) < 256:
+                raw.append(int(t))
+            elif int(t) == EOS_ID and not skip_special_tokens:
+                raw.extend(self.eos_token.encode())
+        return raw.decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self, messages, add_generation_prompt: bool = True, tokenize: bool = True, **_: object
+    ):
+        text = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages)
+        text += "<|assistant|>" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
+
+
+def _hash(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+class MockSamplingBackend(SamplingBackend):
+    """Hash-derived tokens from the prompt and the adapter's weights file. Routing tests only.
+
+    Same inputs, same tokens, with or without a seed (temperature 0: every sample is the same).
+    A sequence ends at a stop token, a stop string, or ``max_tokens``; it never emits EOS.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = VOCAB_SIZE,
+        max_positions: int | None = None,
+        max_cached_adapters: int = 32,
+    ) -> None:
+        self.vocab_size = int(vocab_size)
+        self.max_positions = int(max_positions) if max_positions else 2048
+        self.tokenizer = MockTokenizer()
+        # adapter directory → sha256 of its weights file (rewritten in place: hashed afresh)
+        self._cache: AdapterDirCache[str] = AdapterDirCache(max_cached_adapters)
+
+    def _fingerprint(self, adapter_dir: str | None) -> str:
+        if adapter_dir is None:
+            return "base"
+
+        def load(path: str) -> str:
+            return hashlib.sha256((Path(path) / WEIGHTS_FILE).read_bytes()).hexdigest()
+
+        fp = self._cache.get(adapter_dir, load, lambda _: None)
+        self._cache.trim(lambda _: None)
+        return fp
+
+    def cached_adapter_dirs(self) -> list[str]:
+        return self._cache.dirs()
+
+    def _sample(self, inp: SampleInput, listener: TokenListener | None) -> SampleOutput:
+        validate_sample_input(inp, vocab_size=self.vocab_size, max_positions=self.max_positions)
+        p, prompt = inp.params, tuple(int(t) for t in inp.prompt_tokens)
+        fp = self._fingerprint(inp.adapter_dir)
+        stops = {int(t) for t in p.stop_token_ids}
+        seqs = []
+        for s in range(inp.num_samples):
+            row = 0 if p.temperature == 0 else s  # greedy: every row is the same
+            tokens: list[int] = []
+            lps: list[float] = []
+            reason = "length"
+            for j in range(p.max_tokens):
+                h = _hash(fp, prompt, p.seed, row, j)
+                tok, lp = 32 + h % 95, -1.0 - (h >> 16) % 1000 / 1000.0  # printable ASCII
+                tokens.append(tok)
+                lps.append(lp)
+                if listener is not None:
+                    listener(s, tok, lp)
+                text = self.tokenizer.decode(tokens)
+                if tok in stops or any(x in text for x in p.stop_strings):
+                    reason = "stop"
+                    break
+            seqs.append(SampledSequence(tokens, lps, reason))
+        prompt_lps = None
+        if inp.prompt_logprobs:
+            prompt_lps = [math.nan] + [
+                -1.0 - _hash(fp, prompt[: j + 1]) % 1000 / 1000.0 for j in range(1, len(prompt))
+            ]
+        return SampleOutput(sequences=seqs, prompt_logprobs=prompt_lps)
+
+    def sample(self, inp: SampleInput) -> SampleOutput:
+        return self._sample(inp, None)
+
+    def sample_many(
+        self,
+        inputs: Sequence[SampleInput],
+        listeners: Sequence[TokenListener | None] | None = None,
+    ) -> list[SampleOutput | EngineError]:
+        results: list[SampleOutput | EngineError] = []
+        for i, inp in enumerate(inputs):
+            try:
+                results.append(self._sample(inp, listeners[i] if listeners else None))
+            except EngineError as e:
+                results.append(e)
+        return results

@@ -1,0 +1,109 @@
+"""Backends by name: the only place that maps a config's ``backend`` / ``sampler_type`` to a class.
+
+Owns `build_training_backend` and `build_sampling_backend`, which the Trainer and the Sampler
+call when no backend is injected. Every builder imports its backend module inside the function,
+so importing this registry (or building ``mock``) loads no torch, transformers or vLLM; an
+optional dependency that is missing fails only the model that names it. An unknown name is a
+`ConfigError` listing the known ones (engine/config.py validates the same names at load time).
+
+Names: training ``transformers`` (HF + multi-LoRA, CPU or one GPU), ``megatron`` (registered;
+its builder says it is not built yet), ``mock`` (deterministic, no torch: routing tests only);
+sampling ``torch``, ``vllm`` (GPU, the ``gpu`` extra), ``mock``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from engine.backends.base import SamplingBackend, TrainingBackend
+    from engine.config import ModelConfig
+
+
+def _model_dir(model: ModelConfig, data_dir: str) -> str:
+    """The model's HF folder (building the built-in tiny model under ``data_dir`` if needed)."""
+    from engine.base_models.registry import resolve_model_dir
+
+    return str(resolve_model_dir(model.name, data_dir, model.path))
+
+
+# -- training --------------------------------------------------------------------------------
+def _transformers(model: ModelConfig, data_dir: str) -> TrainingBackend:
+    from engine.backends.train_transformers import TransformersTrainingBackend
+
+    return TransformersTrainingBackend(
+        _model_dir(model, data_dir), max_lora_rank=model.max_lora_rank, base_model_name=model.name
+    )
+
+
+def _megatron(model: ModelConfig, data_dir: str) -> TrainingBackend:
+    raise ConfigError(
+        f"model {model.name!r}: backend 'megatron' is not built yet; use backend 'transformers'"
+    )
+
+
+def _mock_training(model: ModelConfig, data_dir: str) -> TrainingBackend:
+    from engine.backends.mock import MockTrainingBackend
+
+    return MockTrainingBackend(
+        max_lora_rank=model.max_lora_rank,
+        max_positions=model.max_context_length,
+        base_model_name=model.name,
+    )
+
+
+# -- sampling --------------------------------------------------------------------------------
+def _torch(model: ModelConfig, data_dir: str) -> SamplingBackend:
+    from engine.backends.sample_torch import TorchSamplingBackend
+
+    return TorchSamplingBackend(_model_dir(model, data_dir))
+
+
+def _vllm(model: ModelConfig, data_dir: str) -> SamplingBackend:
+    from engine.backends.sample_vllm import VllmSamplingBackend  # vllm itself: in its __init__
+
+    args = dict(model.vllm_engine_args)
+    if model.max_context_length is not None:
+        args.setdefault("max_model_len", model.max_context_length)
+    return VllmSamplingBackend(
+        _model_dir(model, data_dir), max_lora_rank=model.max_lora_rank, engine_args=args
+    )
+
+
+def _mock_sampling(model: ModelConfig, data_dir: str) -> SamplingBackend:
+    from engine.backends.mock import MockSamplingBackend
+
+    return MockSamplingBackend(max_positions=model.max_context_length)
+
+
+TRAINING_BACKENDS: dict[str, Callable[[ModelConfig, str], TrainingBackend]] = {
+    "transformers": _transformers,
+    "megatron": _megatron,
+    "mock": _mock_training,
+}
+SAMPLING_BACKENDS: dict[str, Callable[[ModelConfig, str], SamplingBackend]] = {
+    "torch": _torch,
+    "vllm": _vllm,
+    "mock": _mock_sampling,
+}
+
+
+def _lookup(table: dict, kind: str, name: str) -> Callable:
+    try:
+        return table[name]
+    except (KeyError, TypeError):  # TypeError: an unhashable name from a hand-built config
+        known = ", ".join(sorted(table))
+        raise ConfigError(f"unknown {kind} {name!r}; known: {known}") from None
+
+
+def build_training_backend(model: ModelConfig, data_dir: str) -> TrainingBackend:
+    """The training backend ``model.backend`` names, for ``model`` (ConfigError if unknown)."""
+    return _lookup(TRAINING_BACKENDS, "training backend", model.backend)(model, data_dir)
+
+
+def build_sampling_backend(model: ModelConfig, data_dir: str) -> SamplingBackend:
+    """The sampling backend ``model.sampler_type`` names, for ``model`` (ConfigError if unknown)."""
+    return _lookup(SAMPLING_BACKENDS, "sampler_type", model.sampler_type)(model, data_dir)
