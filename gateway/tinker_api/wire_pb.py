@@ -2,7 +2,7 @@
 
 Importing ``tinker.proto.tinker_public_pb2`` runs the SDK package's ``__init__``, which imports
 torch when it is installed (tinker/types/tensor_data.py), and the gateway stays torch-free
-(tests/gateway/test_import_hygiene.py). The generated module itself needs only protobuf, so we
+(tests/unit/test_import_contracts.py). The generated module itself needs only protobuf, so we
 load the same file by path. protobuf keeps one descriptor per proto file, so when the SDK is
 imported as well (tests, the e2e client) both names give the very same message classes.
 """
