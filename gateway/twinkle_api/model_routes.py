@@ -162,8 +162,9 @@ def _no_server_paths(kw: dict) -> None:
         )
 
 
-def _checkpoint(call: Call, ref: Any, field: str) -> CheckpointRow:
-    """The caller's checkpoint by name (of this adapter's run) or path, trained on this model."""
+def _checkpoint(call: Call, ref: Any, field: str) -> tuple[CheckpointRow, TrainingRunRow]:
+    """The caller's checkpoint by name (of this adapter's run) or path, trained on this model,
+    and the run it belongs to."""
     if not isinstance(ref, str) or not ref:
         raise InvalidRequestError(f"{field}: must be a checkpoint name or a twinkle:// path")
     if "://" not in ref:
@@ -176,7 +177,7 @@ def _checkpoint(call: Call, ref: Any, field: str) -> CheckpointRow:
         raise InvalidRequestError(
             f"{field}: checkpoint was trained on {base}, this model is {call.nm.base_model}"
         )
-    return ckpt
+    return ckpt, src
 
 
 def _spec_of(run: TrainingRunRow) -> LoraSpec:
@@ -220,8 +221,8 @@ async def _add_adapter(call: Call, kw: dict) -> None:
         raise InvalidRequestError(f"adapter_name: {name!r} exists already in this model")
     config = kw["config"]
     if isinstance(config, str):  # start from a checkpoint's weights
-        ckpt = _checkpoint(call, config, "config")
-        spec = _spec_of(db.get(TrainingRunRow, ckpt.run_id))
+        ckpt, src = _checkpoint(call, config, "config")
+        spec = _spec_of(src)
         kw["config"] = ckpt.storage_dir
     elif isinstance(config, dict):
         spec = lora_spec_from_config(config)
@@ -301,8 +302,8 @@ async def _save(call: Call, kw: dict) -> dict:
 def _loader(method: str) -> Callable[[Call, dict], Awaitable[Any]]:
     async def load(call: Call, kw: dict) -> Any:
         _no_server_paths(kw)
-        ckpt = _checkpoint(call, kw.get("name"), "name")
-        _ensure_run_row(call, _spec_of(call.db.get(TrainingRunRow, ckpt.run_id)))
+        ckpt, src = _checkpoint(call, kw.get("name"), "name")
+        _ensure_run_row(call, _spec_of(src))
         kw["name"] = ckpt.storage_dir
         result = await call.invoke(method, kw)
         path = twinkle_path(ckpt.tinker_path)
