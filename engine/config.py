@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from engine.errors import ConfigError
 
 TINY_MODEL_NAME = "twinkle/tiny-chat"
+#: the folder under ``<data_dir>/models`` the tiny model is built into (engine/base_models)
+TINY_MODEL_SUBDIR = "tiny-chat"
 
 
 class _Strict(BaseModel):
@@ -96,6 +98,15 @@ class ModelConfig(_Strict):
                 f"model {self.name!r} needs a 'path' (only {TINY_MODEL_NAME} is built in)"
             )
         return self
+
+    def files_dir(self, data_dir: str | Path) -> Path:
+        """This model's HF folder: ``path``, or the built-in model's folder under
+        ``<data_dir>/models``. Path arithmetic only, so the torch-free gateway can find tokenizer
+        files: the tiny model is built by `twinkle serve` before any replica starts and by a
+        Trainer when it loads it (engine/base_models/registry.py)."""
+        if self.path is not None:
+            return Path(self.path).expanduser()
+        return Path(data_dir) / "models" / TINY_MODEL_SUBDIR
 
 
 class RayConfig(_Strict):

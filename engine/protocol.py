@@ -2,14 +2,25 @@
 
 These are neither wire schemas (the gateway owns those) nor DB rows. Plain dataclasses, so they
 pickle cheaply across Ray processes. Array fields hold numpy arrays; shapes are in the names' docs.
+
+Also the few rules both sides apply, so that the gateway needs nothing heavier than this module
+(no torch): the LoRA target groups and how a peft-style LoRA config maps onto a `LoraSpec` (the
+gateway meters and records the spec before the Trainer builds the adapter), and how native-API
+models and their adapter runs are named (the gateway routes by these names; the Trainer's
+native-model host, engine/native/host.py, uses them).
 """
 
 from __future__ import annotations
 
+import re
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
+
+from engine.errors import UserInputError
 
 #: Tinker's documented AdamParams defaults (tinker/types/optim_step_request.py).
 DEFAULT_LR = 1e-4
@@ -20,7 +31,8 @@ DEFAULT_LORA_ALPHA = 32.0
 @dataclass(frozen=True)
 class LoraSpec:
     """Configuration of one adapter. Target modules follow Tinker's three switches:
-    train_attn → q/k/v/o projections, train_mlp → gate/up/down projections, train_unembed → lm_head."""
+    train_attn → q/k/v/o projections, train_mlp → gate/up/down projections,
+    train_unembed → lm_head."""
 
     rank: int
     alpha: float = DEFAULT_LORA_ALPHA
@@ -28,6 +40,98 @@ class LoraSpec:
     train_mlp: bool = True
     train_unembed: bool = True
     seed: int = 0
+
+
+# -- LoRA targets and configs ------------------------------------------------------------------
+
+#: the module groups an adapter trains, switched by LoraSpec's three flags (engine/backends/lora.py)
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_TARGETS = ("lm_head",)
+_GROUPS = (
+    ("train_attn", ATTN_TARGETS),
+    ("train_mlp", MLP_TARGETS),
+    ("train_unembed", UNEMBED_TARGETS),
+)
+_UNSUPPORTED_LORA = {
+    "use_dora": lambda v: bool(v),
+    "use_rslora": lambda v: bool(v),
+    "bias": lambda v: v not in (None, "none"),
+    "modules_to_save": lambda v: bool(v),
+    "rank_pattern": lambda v: bool(v),
+    "alpha_pattern": lambda v: bool(v),
+}
+
+
+def _get(config: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if isinstance(config, Mapping):
+            if config.get(n) is not None:
+                return config[n]
+        elif getattr(config, n, None) is not None:
+            return getattr(config, n)
+    return default
+
+
+def lora_spec_from_config(config: Any) -> LoraSpec:
+    """A peft ``LoraConfig`` (duck-typed) or dict as a LoraSpec.
+
+    ``r``/``rank`` is required; ``lora_alpha``/``alpha`` defaults to 32 (the server's default);
+    ``seed`` to 0. ``target_modules``: absent/None or "all" → attention + MLP + lm_head (Tinker's
+    default); "all-linear" → attention + MLP (PEFT leaves the output layer out); a list → the
+    groups it names. Naming part of a group (e.g. PEFT's common ``["q_proj", "v_proj"]``) trains
+    the whole group, with a warning: adapters switch q/k/v/o, gate/up/down and lm_head as groups.
+    ``lora_dropout`` is ignored (training runs without dropout, so it is reproducible).
+    """
+    bad = [k for k, rule in _UNSUPPORTED_LORA.items() if rule(_get(config, k))]
+    if bad:
+        raise UserInputError(f"lora config: unsupported option(s) {', '.join(bad)}")
+    rank = _get(config, "r", "rank")
+    if rank is None:
+        raise UserInputError("lora config: 'r' (rank) is required")
+    alpha = _get(config, "lora_alpha", "alpha", default=DEFAULT_LORA_ALPHA)
+    seed = _get(config, "seed", default=0)
+    targets = _get(config, "target_modules")
+    flags = dict.fromkeys([name for name, _ in _GROUPS], True)
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            flags["train_unembed"] = False
+        elif targets != "all":
+            raise UserInputError(
+                f"lora config: target_modules {targets!r} is not supported; use 'all-linear', "
+                "'all' or a list of module names"
+            )
+    elif targets is not None:
+        names = {str(t).rsplit(".", 1)[-1] for t in targets}
+        known = {m for _, group in _GROUPS for m in group}
+        unknown = sorted(names - known)
+        if unknown:
+            raise UserInputError(
+                f"lora config: target_modules {unknown} cannot be targeted; targetable modules: "
+                f"{', '.join(m for _, g in _GROUPS for m in g)}"
+            )
+        added = []
+        for flag, group in _GROUPS:
+            chosen = names & set(group)
+            flags[flag] = bool(chosen)
+            if chosen and chosen != set(group):
+                added += sorted(set(group) - chosen)
+        if added:
+            warnings.warn(
+                f"lora config: target_modules name part of a module group; also training {added}",
+                stacklevel=3,
+            )
+    for name, value in (("r", rank), ("lora_alpha", alpha), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserInputError(f"lora config: {name} {value!r} must be a number")
+    if rank != int(rank) or seed != int(seed):
+        raise UserInputError("lora config: r and seed must be integers")
+    return LoraSpec(rank=int(rank), alpha=float(alpha), seed=int(seed), **flags)
+
+
+def spec_target_modules(spec: LoraSpec) -> list[str]:
+    """The module names ``spec`` trains."""
+    return [m for flag, group in _GROUPS if getattr(spec, flag) for m in group]
 
 
 @dataclass
@@ -51,7 +155,8 @@ class ForwardBackwardInput:
 @dataclass
 class ForwardBackwardOutput:
     """``outputs[i]`` belongs to ``data[i]``: ``logprobs`` float32 [N] (learner log p of targets),
-    ``elementwise_loss`` float32 [N] where the loss is per token (not DPO). ``metrics`` keys are ``name:reduction`` (always ``loss:sum``)."""
+    ``elementwise_loss`` float32 [N] where the loss is per token (not DPO). ``metrics`` keys are
+    ``name:reduction`` (always ``loss:sum``)."""
 
     outputs: list[dict[str, np.ndarray]]
     metrics: dict[str, float]
@@ -59,7 +164,8 @@ class ForwardBackwardOutput:
 
 @dataclass
 class AdamParams:
-    """All fields are honoured. ``grad_clip_norm`` 0 disables clipping; weight decay is decoupled."""
+    """All fields are honoured. ``grad_clip_norm`` 0 disables clipping; weight decay is
+    decoupled."""
 
     learning_rate: float = DEFAULT_LR
     beta1: float = 0.9
@@ -106,7 +212,8 @@ class SampleInput:
     prompt_logprobs_last_n: int | None = None
     #: draws per prompt position (after the first) from the next-token distribution
     prompt_alt_tokens_k: int = 0
-    #: int64 [len(prompt) - 1, K]: row i names token ids to score at prompt position i + 1; -1 = none
+    #: int64 [len(prompt) - 1, K]: row i names token ids to score at prompt position i + 1;
+    #: -1 = none
     target_prompt_ids: np.ndarray | None = None
 
 
@@ -154,3 +261,56 @@ class SampleDelta:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list[float]] = field(default_factory=dict)
     final: SampleOutput | None = None
+
+
+# -- native Twinkle API models (engine/native/host.py) ------------------------------------------
+
+#: methods of `engine.local.model.MultiLoraTransformersModel` a native model serves remotely, by
+#: name (``POST /api/v1/twinkle/model/{method}``); any other name is refused before any work
+NATIVE_MODEL_METHODS = frozenset(
+    {
+        "add_adapter_to_model",
+        "remove_adapter",
+        "set_template",
+        "set_processor",
+        "set_loss",
+        "set_optimizer",
+        "set_lr_scheduler",
+        "get_train_configs",
+        "forward",
+        "forward_only",
+        "forward_backward",
+        "calculate_loss",
+        "backward",
+        "clip_grad_norm",
+        "step",
+        "zero_grad",
+        "lr_step",
+        "clip_grad_and_step",
+        "calculate_metric",
+        "save",
+        "load",
+        "resume_from_checkpoint",
+    }
+)
+#: a native model id is ``{session_id}:tw-{8 hex digits}``; its adapter ``a`` trains as the run
+#: ``{model_id}:a`` (adapter names match ``[A-Za-z0-9][A-Za-z0-9._-]*``, no ``:``)
+_NATIVE_RUN = re.compile(r"^(.+:tw-[0-9a-f]{8}):[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def native_model_id(session_id: str, token: str) -> str:
+    """The id of a new native model in ``session_id``; ``token`` is 8 random hex digits."""
+    return f"{session_id}:tw-{token}"
+
+
+def native_run_id(model_id: str, adapter_name: str) -> str:
+    """The training run (and Trainer adapter id) of one adapter of a native model."""
+    return f"{model_id}:{adapter_name}"
+
+
+def trainer_route_key(model_id: str) -> str:
+    """What a Trainer call about ``model_id`` is routed by: the id itself, except that a native
+    model's adapter run routes with its native model, whose Trainer replica holds all of that
+    model's adapters (e.g. when session expiry releases the run by its id)."""
+    m = _NATIVE_RUN.match(model_id)
+    return m.group(1) if m else model_id

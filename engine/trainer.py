@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
 from engine.backends.registry import build_training_backend
 from engine.config import ModelConfig
+from engine.native import NativeModelHost
 from engine.protocol import (
     AdamParams,
     ForwardBackwardInput,
@@ -60,6 +62,7 @@ class Trainer:
         # A repeated (model_id, seq_id) (a gateway replica re-driving a request after another
         # replica died) gets the first execution's result; see engine/scheduling/exactly_once.py.
         self._once = OnceCache()
+        self.native = NativeModelHost(self, data_dir)
 
     # -- helpers -------------------------------------------------------------------------------
     async def _compute(self, model_id: str, cost: int, fn, label: str, fuse_item=None):
@@ -318,3 +321,19 @@ class Trainer:
     async def replays(self) -> int:
         """How many repeated (model_id, seq_id) calls were answered from the first execution."""
         return self._once.replays
+
+    # -- native Twinkle API models: their state lives here (engine/native/host.py), their
+    # ownership in the gateway; ``model_id`` comes first, so the gateway routes by it ----------
+    async def native_create(self, model_id: str, tenant: str) -> dict:
+        return await self.native.create(model_id, tenant)
+
+    async def native_call(
+        self, model_id: str, tenant: str, method: str, adapter_name: str, kwargs: dict
+    ) -> Any:
+        return await self.native.call(model_id, tenant, method, adapter_name, kwargs)
+
+    async def native_adapters(self, model_id: str, tenant: str) -> list[str]:
+        return await self.native.adapters(model_id, tenant)
+
+    async def native_close(self, model_id: str, tenant: str) -> None:
+        return await self.native.close(model_id, tenant)

@@ -8,11 +8,13 @@ Engine errors come back as the engine's own (picklable) exceptions; Ray wraps th
 Replicas: a role may have several replicas (``engines[base]["trainer"]`` is then a list, one
 single-replica Serve deployment each, see engine/app.py). An adapter lives in one Trainer replica,
 so every call about a model must reach the same one: we route by rendezvous hashing of the model
-id (the first argument of every per-model Trainer method). Sampler calls route by their
-``affinity`` key (a sampling session id, an adapter path) the same way, so a session sticks to one
-replica and its adapter stays in that replica's cache; calls without a key go to any replica.
-Ray Serve's own routing cannot do this: its replicas are interchangeable and its
-model-multiplexing routing is best effort (a new key's first requests can land anywhere).
+id (the first argument of every per-model Trainer method; a native model's adapter runs route with
+their native model, `engine.protocol.trainer_route_key`, since its Trainer replica hosts them
+all). Sampler calls route by their ``affinity`` key (a sampling session id, an adapter path) the
+same way, so a session sticks to one replica and its adapter stays in that replica's cache;
+calls without a key go to any replica. Ray Serve's own routing cannot do this: its replicas are
+interchangeable and its model-multiplexing routing is best effort (a new key's first requests can
+land anywhere).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.errors import EngineError
+from engine.protocol import trainer_route_key
 
 
 def pick_replica(n: int, key: str | None) -> int:
@@ -61,7 +64,7 @@ class EngineClient:
     async def trainer(self, base_model: str, method: str, *args: Any) -> Any:
         """Call the Trainer replica that holds the model named by ``args[0]`` (any replica for
         calls without a model id, e.g. ``info``)."""
-        key = args[0] if args and isinstance(args[0], str) else None
+        key = trainer_route_key(args[0]) if args and isinstance(args[0], str) else None
         return await self._call(self._target(base_model, "trainer", key), method, args)
 
     async def trainer_all(self, base_model: str, method: str, *args: Any) -> list[Any]:

@@ -27,11 +27,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.errors import CheckpointError
-from engine.protocol import LoraSpec
 
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_TARGETS = ("lm_head",)
+# The target groups are defined in engine/protocol.py, so the torch-free gateway shares them.
+from engine.protocol import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, LoraSpec
+
 #: PEFT prefixes every key with the PeftModel → LoraModel → base model attribute path.
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"

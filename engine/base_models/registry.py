@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.config import TINY_MODEL_NAME, TINY_MODEL_SUBDIR
 from engine.errors import ConfigError
 
-TINY_MODEL_NAME = "twinkle/tiny-chat"
-
 #: name → sub-directory of ``<data_dir>/models`` for models the server can build itself
-_BUILDABLE = {TINY_MODEL_NAME: "tiny-chat"}
+_BUILDABLE = {TINY_MODEL_NAME: TINY_MODEL_SUBDIR}
 
 
 def known_model_names() -> list[str]:

@@ -1,6 +1,6 @@
-"""Per-adapter state of `engine.local.model.MultiLoraTransformersModel`: configuration, the accumulation
-window, metric accumulators, the result dict of a pass, checkpoint paths, and the training-config
-file `save` writes next to the PEFT files."""
+"""Per-adapter state of `engine.local.model.MultiLoraTransformersModel`: configuration, the
+accumulation window, metric accumulators, the result dict of a pass, checkpoint paths, and the
+training-config file `save` writes next to the PEFT files."""
 
 from __future__ import annotations
 
@@ -12,13 +12,8 @@ from typing import Any
 
 from engine.errors import CheckpointError, UserInputError
 from engine.local.inputs import weighted_tokens
-from engine.local.training_config import (
-    LrSchedule,
-    OptimizerConfig,
-    make_schedule,
-    spec_target_modules,
-)
-from engine.protocol import DatumInput, ForwardBackwardOutput, LoraSpec
+from engine.local.training_config import LrSchedule, OptimizerConfig, make_schedule
+from engine.protocol import DatumInput, ForwardBackwardOutput, LoraSpec, spec_target_modules
 
 #: written next to the PEFT files by `save` (not part of the backend's manifest)
 TRAIN_CONFIG_FILE = "twinkle_train_config.json"

@@ -1,4 +1,5 @@
-"""Turns the datum formats `engine.local.model.MultiLoraTransformersModel` accepts into `DatumInput`.
+"""Turns the datum formats `engine.local.model.MultiLoraTransformersModel` accepts into
+`DatumInput`.
 
 Three formats, per datum (a list of them, or one dict, is one batch):
 

@@ -50,12 +50,11 @@ from engine.local.adapter_state import (
 from engine.local.inputs import to_datums
 from engine.local.training_config import (
     check_clip,
-    lora_spec_from_config,
     make_schedule,
     optimizer_config,
     resolve_loss,
 )
-from engine.protocol import AdamParams, ForwardBackwardInput
+from engine.protocol import AdamParams, ForwardBackwardInput, lora_spec_from_config
 
 DEFAULT_ADAPTER = "default"
 __all__ = ["DEFAULT_ADAPTER", "TRAIN_CONFIG_FILE", "MultiLoraTransformersModel", "default_data_dir"]

@@ -1,109 +1,21 @@
 """Per-adapter training configuration for `engine.local.model.MultiLoraTransformersModel`.
 
 Owns the translation of upstream-Twinkle style arguments into what the training backend takes:
-LoRA configs (peft ``LoraConfig`` or dict) → `LoraSpec`, loss names/classes → Tinker ``loss_fn`` +
-``loss_fn_config``, optimizer arguments → AdamW hyper-parameters, and the LR schedules.
+loss names/classes → Tinker ``loss_fn`` + ``loss_fn_config``, optimizer arguments → AdamW
+hyper-parameters, and the LR schedules. (LoRA configs → `LoraSpec` is
+`engine.protocol.lora_spec_from_config`: the torch-free gateway applies it too.)
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.backends.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from engine.errors import UserInputError
-from engine.protocol import DEFAULT_LORA_ALPHA, DEFAULT_LR, LoraSpec
-
-# ----------------------------------------------------------------------------------- LoRA config
-
-_GROUPS = (
-    ("train_attn", ATTN_TARGETS),
-    ("train_mlp", MLP_TARGETS),
-    ("train_unembed", UNEMBED_TARGETS),
-)
-_UNSUPPORTED_LORA = {
-    "use_dora": lambda v: bool(v),
-    "use_rslora": lambda v: bool(v),
-    "bias": lambda v: v not in (None, "none"),
-    "modules_to_save": lambda v: bool(v),
-    "rank_pattern": lambda v: bool(v),
-    "alpha_pattern": lambda v: bool(v),
-}
-
-
-def _get(config: Any, *names: str, default: Any = None) -> Any:
-    for n in names:
-        if isinstance(config, Mapping):
-            if config.get(n) is not None:
-                return config[n]
-        elif getattr(config, n, None) is not None:
-            return getattr(config, n)
-    return default
-
-
-def lora_spec_from_config(config: Any) -> LoraSpec:
-    """A peft ``LoraConfig`` (duck-typed) or dict as a LoraSpec.
-
-    ``r``/``rank`` is required; ``lora_alpha``/``alpha`` defaults to 32 (the server's default);
-    ``seed`` to 0. ``target_modules``: absent/None or "all" → attention + MLP + lm_head (Tinker's
-    default); "all-linear" → attention + MLP (PEFT leaves the output layer out); a list → the
-    groups it names. Naming part of a group (e.g. PEFT's common ``["q_proj", "v_proj"]``) trains
-    the whole group, with a warning: adapters switch q/k/v/o, gate/up/down and lm_head as groups.
-    ``lora_dropout`` is ignored (training runs without dropout, so it is reproducible).
-    """
-    bad = [k for k, rule in _UNSUPPORTED_LORA.items() if rule(_get(config, k))]
-    if bad:
-        raise UserInputError(f"lora config: unsupported option(s) {', '.join(bad)}")
-    rank = _get(config, "r", "rank")
-    if rank is None:
-        raise UserInputError("lora config: 'r' (rank) is required")
-    alpha = _get(config, "lora_alpha", "alpha", default=DEFAULT_LORA_ALPHA)
-    seed = _get(config, "seed", default=0)
-    targets = _get(config, "target_modules")
-    flags = dict.fromkeys([name for name, _ in _GROUPS], True)
-    if isinstance(targets, str):
-        if targets == "all-linear":
-            flags["train_unembed"] = False
-        elif targets != "all":
-            raise UserInputError(
-                f"lora config: target_modules {targets!r} is not supported; use 'all-linear', "
-                "'all' or a list of module names"
-            )
-    elif targets is not None:
-        names = {str(t).rsplit(".", 1)[-1] for t in targets}
-        known = {m for _, group in _GROUPS for m in group}
-        unknown = sorted(names - known)
-        if unknown:
-            raise UserInputError(
-                f"lora config: target_modules {unknown} cannot be targeted; targetable modules: "
-                f"{', '.join(m for _, g in _GROUPS for m in g)}"
-            )
-        added = []
-        for flag, group in _GROUPS:
-            chosen = names & set(group)
-            flags[flag] = bool(chosen)
-            if chosen and chosen != set(group):
-                added += sorted(set(group) - chosen)
-        if added:
-            warnings.warn(
-                f"lora config: target_modules name part of a module group; also training {added}",
-                stacklevel=3,
-            )
-    for name, value in (("r", rank), ("lora_alpha", alpha), ("seed", seed)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserInputError(f"lora config: {name} {value!r} must be a number")
-    if rank != int(rank) or seed != int(seed):
-        raise UserInputError("lora config: r and seed must be integers")
-    return LoraSpec(rank=int(rank), alpha=float(alpha), seed=int(seed), **flags)
-
-
-def spec_target_modules(spec: LoraSpec) -> list[str]:
-    return [m for flag, group in _GROUPS if getattr(spec, flag) for m in group]
-
+from engine.protocol import DEFAULT_LR
 
 # ----------------------------------------------------------------------------------- losses
 

@@ -15,12 +15,12 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field, ValidationError
-from tinker.proto import tinker_public_pb2 as pb
 
 from gateway.deps import DbDep, EngineDep, FuturesDep, PrincipalDep, owned_run
 from gateway.errors import InvalidRequestError
 from gateway.errors import format_validation_errors as _format  # one wording for 400s
 from gateway.tinker_api.schemas import _Req
+from gateway.tinker_api.wire_pb import pb
 
 router = APIRouter(prefix="/api/v1")
 

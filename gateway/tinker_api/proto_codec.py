@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from tinker.proto import tinker_public_pb2 as pb
 
 from engine.protocol import (
     DatumInput,
@@ -20,6 +19,7 @@ from engine.protocol import (
     TopkLogprobs,
 )
 from gateway.errors import InvalidRequestError
+from gateway.tinker_api.wire_pb import pb
 
 _DTYPES = {
     pb.DTYPE_FLOAT32: np.float32,

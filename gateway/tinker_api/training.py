@@ -212,7 +212,7 @@ async def forward_backward(
         error = None
     except InvalidRequestError as exc:
         # A structurally broken datum still carries model_id / seq_id: fail the future in order.
-        from tinker.proto import tinker_public_pb2 as pb
+        from gateway.tinker_api.wire_pb import pb
 
         msg = pb.ForwardBackwardRequest()
         try:

@@ -1,5 +1,6 @@
 """The native Twinkle API (``/api/v1/twinkle/...``) for `twinkle_client`: management, models
-that mirror the engine's `MultiLoraTransformersModel`, sampling and encoding. Shares the
+that mirror the engine's `MultiLoraTransformersModel` (hosted by the Trainer that holds their
+adapters, engine/native/; the gateway keeps who owns them), sampling and encoding. Shares the
 engine, auth, ownership and checkpoints with the Tinker routes.
 
 Routes (all need an API key; other users' ids answer 404)::

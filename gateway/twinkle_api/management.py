@@ -13,7 +13,6 @@ import uuid
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
-from engine.base_models.registry import resolve_model_dir
 from gateway.db.tables import SessionRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
@@ -129,7 +128,7 @@ def _model_dir(config, settings, base_model: str):
             f"base_model: {base_model!r} is not served here; available: "
             f"{[x.name for x in config.models]}"
         )
-    return resolve_model_dir(m.name, str(settings.data_dir), m.path)
+    return m.files_dir(settings.data_dir)  # built by the engine (torch-free gateway)
 
 
 @router.get("/tokenizer")

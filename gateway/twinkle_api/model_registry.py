@@ -1,104 +1,87 @@
-"""Live native models: the gateway-side `MultiLoraTransformersModel` instances and who owns them.
+"""Who owns which native model: one record per model id in the shared KV store.
 
-A native model is created by ``POST /twinkle/model/create`` within one of the caller's sessions
-and lives in this gateway process (its adapters live in the shared Trainer, their rows and
-checkpoints in the DB). Lookups filter by the caller's user id and answer 404 otherwise, as every
-other ownership check does. After a gateway restart the client gets a 404 that says to recreate
-the model and resume from a checkpoint.
+A native model (``POST /twinkle/model/create``) lives in the Trainer replica that holds its
+adapters (engine/native/host.py: its loss, optimizer, schedule, accumulation counters). The
+gateway keeps only ownership (user, session, base model), in the KV store the futures use: Redis
+when configured, so every gateway replica checks ownership and serves any native call; otherwise
+process memory, which is enough for the one replica that may run without Redis
+(gateway/config.py refuses several replicas without it). Lookups filter by the caller's user id
+and answer 404 otherwise, as every other ownership check does.
 """
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
-from engine.local.model import MultiLoraTransformersModel
-from engine.local.training_config import check_clip
+from engine.protocol import native_run_id
 from gateway.errors import NotFoundError
-from gateway.twinkle_api.proxy_backend import TrainerProxyBackend
+from gateway.futures.kv import KV
+
+#: a record lives 7 days after its last refresh; each call refreshes it when it is over an hour
+#: old, so a model in use never expires and an idle one costs one Redis write per hour at most
+RECORD_TTL_S = 7 * 24 * 3600.0
+REFRESH_AFTER_S = 3600.0
 
 
-class ServedModel(MultiLoraTransformersModel):
-    """The engine class with the two methods that read gradients directly (`clip_grad_norm`,
-    `zero_grad`) going through the Trainer instead (`TrainerProxyBackend.grad_op`); same
-    signatures and semantics as the engine's."""
-
-    backend: TrainerProxyBackend
-
-    def clip_grad_norm(
-        self, max_grad_norm: float = 1.0, norm_type: float = 2, *, adapter_name: str = "default"
-    ) -> float | None:
-        st = self._st(adapter_name)
-        st.clip = check_clip(max_grad_norm, norm_type)
-        if not st.pending_grad:
-            return 0.0
-        return self.backend.grad_op(adapter_name, "norm")
-
-    def zero_grad(self, *, adapter_name: str = "default") -> None:
-        st = self._st(adapter_name)
-        if st.micro != 0 or not st.pending_grad:
-            return
-        self.backend.grad_op(adapter_name, "zero")
-        st.pending_grad = False
-
-
-@dataclass
+@dataclass(frozen=True)
 class NativeModel:
     model_id: str
     user_id: int
     session_id: str
     base_model: str
-    model: ServedModel
-    proxy: TrainerProxyBackend
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    max_lora_rank: int
+    written_at: float = 0.0
+
+    @property
+    def tenant(self) -> str:
+        """The Trainer's fair-share tenant: the owner, as for the Tinker routes."""
+        return str(self.user_id)
+
+    def run_id(self, adapter_name: str) -> str:
+        return native_run_id(self.model_id, adapter_name)
+
+
+def not_found(model_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"model_id: model {model_id!r} not found (the server may have restarted: create the "
+        "model again and resume_from_checkpoint)"
+    )
 
 
 class NativeModels:
-    def __init__(self) -> None:
-        self._models: dict[str, NativeModel] = {}
+    def __init__(self, kv: KV) -> None:
+        self._kv = kv
 
     @staticmethod
-    def new_id(session_id: str) -> str:
-        return f"{session_id}:tw-{uuid.uuid4().hex[:8]}"
+    def _key(model_id: str) -> str:
+        return f"native-model:{model_id}"
 
-    def add(self, nm: NativeModel) -> None:
-        self._models[nm.model_id] = nm
-
-    def owned(self, model_id: str, user_id: int) -> NativeModel:
-        nm = self._models.get(model_id)
-        if nm is None or nm.user_id != user_id:
-            raise NotFoundError(
-                f"model_id: model {model_id!r} not found (the server may have restarted: create "
-                "the model again and resume_from_checkpoint)"
-            )
+    async def add(self, nm: NativeModel) -> NativeModel:
+        nm = NativeModel(**{**asdict(nm), "written_at": time.time()})
+        await self._kv.set(self._key(nm.model_id), json.dumps(asdict(nm)).encode(), RECORD_TTL_S)
         return nm
 
-    def drop(self, model_id: str) -> None:
-        self._models.pop(model_id, None)
+    async def owned(self, model_id: str, user_id: int) -> NativeModel:
+        """The caller's model, or a 404 that says the same for a stranger's and a missing one."""
+        raw = await self._kv.get(self._key(model_id))
+        nm = NativeModel(**json.loads(raw)) if raw is not None else None
+        if nm is None or nm.user_id != user_id:
+            raise not_found(model_id)
+        if time.time() - nm.written_at > REFRESH_AFTER_S:
+            nm = await self.add(nm)
+        return nm
+
+    async def drop(self, model_id: str) -> None:
+        await self._kv.delete(self._key(model_id))
 
 
 def native_models(request: Request) -> NativeModels:
-    """The app's registry, created on first use (so gateway/main.py needs no lifespan change)."""
-    reg = getattr(request.app.state, "twinkle_models", None)
-    if reg is None:
-        reg = request.app.state.twinkle_models = NativeModels()
-    return reg
+    return NativeModels(request.app.state.kv)
 
 
-def make_native_model(
-    *, engine, loop, model_id: str, base_model: str, tenant: str, info: dict, data_dir: Path
-) -> tuple[ServedModel, TrainerProxyBackend]:
-    proxy = TrainerProxyBackend(
-        engine,
-        loop,
-        base_model=base_model,
-        model_id=model_id,
-        tenant=tenant,
-        vocab_size=int(info["vocab_size"]),
-        max_lora_rank=int(info["max_lora_rank"]),
-    )
-    return ServedModel(base_model, backend=proxy, data_dir=data_dir), proxy
+NativeModelsDep = Annotated[NativeModels, Depends(native_models)]

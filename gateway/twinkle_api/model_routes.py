@@ -1,67 +1,48 @@
-"""Native model routes: ``POST /api/v1/twinkle/model/create`` and ``/model/{method}``.
+"""Native model routes: ``POST /api/v1/twinkle/model/create``, ``/model/close`` and
+``/model/{method}``.
 
-One route per method of the engine's `MultiLoraTransformersModel` (the whitelist below), with the
-arguments in ``kwargs`` checked against that method's signature: a remote call behaves exactly as
-the in-process call, including its errors (400 naming the argument or rule). What differs is
-where checkpoints live: names and ``twinkle://`` paths instead of server directories
-(``output_dir`` is refused), recorded as the caller's checkpoints of the adapter's training run,
-so the Tinker RestClient and the native management calls list and delete them alike.
+A native model is the engine's `MultiLoraTransformersModel`, hosted by the Trainer replica that
+holds its adapters (engine/native/host.py); these routes check ownership (model_registry.py),
+then forward the call by model id through the engine client. The engine checks ``kwargs`` against
+the method's own signature, so a remote call behaves exactly as the in-process call, including
+its errors (400 naming the argument or rule). What the gateway adds is what needs the DB and
+quotas: each adapter is a training run of the caller's (created on add_adapter_to_model, under
+the Tinker create_model quotas), and checkpoints are names and ``twinkle://`` paths instead of
+server directories (``output_dir`` is refused), recorded as the caller's checkpoints of the
+adapter's run, so the Tinker RestClient and the native management calls list and delete them
+alike.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import shutil
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
 from sqlmodel import Session, select
 
-from engine.local.training_config import lora_spec_from_config
-from engine.protocol import LoraSpec
+from engine.protocol import (
+    NATIVE_MODEL_METHODS,
+    LoraSpec,
+    lora_spec_from_config,
+    native_model_id,
+)
+from gateway.accounts.keys import Principal
 from gateway.db.tables import CheckpointRow, TrainingRunRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep, owned_session
+from gateway.engine_client import EngineClient
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.runs.checkpoints import ParsedPath, new_storage_dir, readable_checkpoint, validate_name
-from gateway.twinkle_api.model_registry import NativeModel, make_native_model, native_models
+from gateway.settings import Settings
+from gateway.twinkle_api.model_registry import NativeModel, NativeModelsDep
 from gateway.twinkle_api.schemas import CloseModelRequest, CreateModelRequest, ModelCallRequest
 from gateway.twinkle_api.templates import check_processor, check_template
 
 router = APIRouter(prefix="/api/v1/twinkle")
-
-#: methods forwarded as they are (the engine class validates their arguments)
-PLAIN_METHODS = frozenset(
-    {
-        "set_loss",
-        "set_optimizer",
-        "set_lr_scheduler",
-        "forward",
-        "forward_only",
-        "forward_backward",
-        "calculate_loss",
-        "backward",
-        "clip_grad_norm",
-        "step",
-        "zero_grad",
-        "lr_step",
-        "clip_grad_and_step",
-        "calculate_metric",
-        "get_train_configs",
-        "remove_adapter",
-    }
-)
-SPECIAL_METHODS = frozenset(
-    {
-        "add_adapter_to_model",
-        "set_template",
-        "set_processor",
-        "save",
-        "load",
-        "resume_from_checkpoint",
-    }
-)
 
 
 def jsonable(value: Any) -> Any:
@@ -81,24 +62,38 @@ def twinkle_path(tinker_path: str) -> str:
     return "twinkle://" + tinker_path.removeprefix("tinker://")
 
 
-async def _invoke(nm: NativeModel, method: str, adapter_name: str, kwargs: dict) -> Any:
-    fn = getattr(nm.model, method)
-    try:
-        inspect.signature(fn).bind(adapter_name=adapter_name, **kwargs)
-    except TypeError as exc:
-        raise InvalidRequestError(f"kwargs: {method}() {exc}") from None
-    return await asyncio.to_thread(lambda: fn(adapter_name=adapter_name, **kwargs))
+@dataclass
+class Call:
+    """One ``model/{method}`` call: the owned model and what the special methods need."""
+
+    nm: NativeModel
+    adapter: str
+    who: Principal
+    db: Session
+    engine: EngineClient
+    settings: Settings
+    quotas: Any
+
+    async def invoke(self, method: str, kwargs: dict) -> Any:
+        nm = self.nm
+        return await self.engine.trainer(
+            nm.base_model, "native_call", nm.model_id, nm.tenant, method, self.adapter, kwargs
+        )
+
+    async def has_adapter(self) -> bool:
+        nm = self.nm
+        names = await self.engine.trainer(nm.base_model, "native_adapters", nm.model_id, nm.tenant)
+        return self.adapter in names
 
 
 @router.post("/model/create")
 async def create_model(
     req: CreateModelRequest,
-    request: Request,
     who: PrincipalDep,
     db: DbDep,
     engine: EngineDep,
     config: ConfigDep,
-    settings: SettingsDep,
+    models: NativeModelsDep,
 ) -> dict:
     session = owned_session(db, who, req.session_id)
     if config.model(req.base_model) is None:
@@ -106,36 +101,22 @@ async def create_model(
             f"base_model: {req.base_model!r} is not served here; available: "
             f"{[m.name for m in config.models]}"
         )
-    info = await engine.trainer(req.base_model, "info")
-    reg = native_models(request)
-    model_id = reg.new_id(session.id)
-    model, proxy = make_native_model(
-        engine=engine,
-        loop=asyncio.get_running_loop(),
-        model_id=model_id,
-        base_model=req.base_model,
-        tenant=str(who.user_id),
-        info=info,
-        data_dir=settings.data_dir,
-    )
-    reg.add(NativeModel(model_id, who.user_id, session.id, req.base_model, model, proxy))
-    return {
-        "model_id": model_id,
-        "base_model": req.base_model,
-        "max_lora_rank": info["max_lora_rank"],
-    }
+    model_id = native_model_id(session.id, uuid.uuid4().hex[:8])
+    info = await engine.trainer(req.base_model, "native_create", model_id, str(who.user_id))
+    rank = int(info["max_lora_rank"])
+    await models.add(NativeModel(model_id, who.user_id, session.id, req.base_model, rank))
+    return {"model_id": model_id, "base_model": req.base_model, "max_lora_rank": rank}
 
 
 @router.post("/model/close")
-async def close_model(req: CloseModelRequest, request: Request, who: PrincipalDep) -> dict:
+async def close_model(
+    req: CloseModelRequest, who: PrincipalDep, engine: EngineDep, models: NativeModelsDep
+) -> dict:
     """Drop the model's adapters from the Trainer and forget the model (runs and checkpoints
-    stay). Idempotent for the owner."""
-    reg = native_models(request)
-    nm = reg.owned(req.model_id, who.user_id)
-    async with nm.lock:
-        for name in list(nm.model.adapter_names):
-            await asyncio.to_thread(nm.model.remove_adapter, name)
-        reg.drop(nm.model_id)
+    stay)."""
+    nm = await models.owned(req.model_id, who.user_id)
+    await engine.trainer(nm.base_model, "native_close", nm.model_id, nm.tenant)
+    await models.drop(nm.model_id)
     return {"closed": nm.model_id}
 
 
@@ -146,31 +127,31 @@ async def call_model(
     request: Request,
     who: PrincipalDep,
     db: DbDep,
+    engine: EngineDep,
     settings: SettingsDep,
+    models: NativeModelsDep,
 ) -> dict:
-    if method not in PLAIN_METHODS and method not in SPECIAL_METHODS:
+    if method not in NATIVE_MODEL_METHODS:
         raise NotFoundError(
             f"method: {method!r} is not a model method; available: "
-            f"{', '.join(sorted(PLAIN_METHODS | SPECIAL_METHODS))}"
+            f"{', '.join(sorted(NATIVE_MODEL_METHODS))}"
         )
-    nm = native_models(request).owned(req.model_id, who.user_id)
-    kw, name = dict(req.kwargs), req.adapter_name
-    async with nm.lock:  # the model class is driven by one thread at a time
-        if method in PLAIN_METHODS:
-            result = await _invoke(nm, method, name, kw)
-        elif method == "set_template":
-            check_template(kw.get("template"), {k: v for k, v in kw.items() if k != "template"})
-            result = await _invoke(nm, method, name, kw)
-        elif method == "set_processor":
-            check_processor(kw.get("processor"), {k: v for k, v in kw.items() if k != "processor"})
-            result = await _invoke(nm, method, name, kw)
-        elif method == "add_adapter_to_model":
-            result = await _add_adapter(nm, name, kw, who, db, request.app.state.quotas)
-        elif method == "save":
-            result = await _save(nm, name, kw, who, db, settings)
-        else:  # load, resume_from_checkpoint
-            result = await _load(nm, method, name, kw, who, db)
+    nm = await models.owned(req.model_id, who.user_id)
+    call = Call(nm, req.adapter_name, who, db, engine, settings, request.app.state.quotas)
+    handler = _SPECIAL.get(method)
+    kw = dict(req.kwargs)
+    result = await (handler(call, kw) if handler else call.invoke(method, kw))
     return {"result": jsonable(result)}
+
+
+async def _set_template(call: Call, kw: dict) -> Any:
+    check_template(kw.get("template"), {k: v for k, v in kw.items() if k != "template"})
+    return await call.invoke("set_template", kw)
+
+
+async def _set_processor(call: Call, kw: dict) -> Any:
+    check_processor(kw.get("processor"), {k: v for k, v in kw.items() if k != "processor"})
+    return await call.invoke("set_processor", kw)
 
 
 def _no_server_paths(kw: dict) -> None:
@@ -181,20 +162,22 @@ def _no_server_paths(kw: dict) -> None:
         )
 
 
-def _checkpoint(db, who, nm: NativeModel, adapter_name: str, ref: Any, field: str) -> CheckpointRow:
+def _checkpoint(call: Call, ref: Any, field: str) -> tuple[CheckpointRow, TrainingRunRow]:
+    """The caller's checkpoint by name (of this adapter's run) or path, trained on this model,
+    and the run it belongs to."""
     if not isinstance(ref, str) or not ref:
         raise InvalidRequestError(f"{field}: must be a checkpoint name or a twinkle:// path")
     if "://" not in ref:
         validate_name(ref, field)
-        ref = ParsedPath(nm.proxy.run_id(adapter_name), "training", ref).tinker_path
-    ckpt = readable_checkpoint(db, who.user_id, ref, field)
-    src = db.get(TrainingRunRow, ckpt.run_id)
-    if src is None or src.base_model != nm.base_model:
+        ref = ParsedPath(call.nm.run_id(call.adapter), "training", ref).tinker_path
+    ckpt = readable_checkpoint(call.db, call.who.user_id, ref, field)
+    src = call.db.get(TrainingRunRow, ckpt.run_id)
+    if src is None or src.base_model != call.nm.base_model:
         base = src.base_model if src else "?"
         raise InvalidRequestError(
-            f"{field}: checkpoint was trained on {base}, this model is {nm.base_model}"
+            f"{field}: checkpoint was trained on {base}, this model is {call.nm.base_model}"
         )
-    return ckpt
+    return ckpt, src
 
 
 def _spec_of(run: TrainingRunRow) -> LoraSpec:
@@ -207,45 +190,45 @@ def _spec_of(run: TrainingRunRow) -> LoraSpec:
     )
 
 
-def _ensure_run_row(db, who, nm: NativeModel, adapter_name: str, spec) -> TrainingRunRow:
-    rid = nm.proxy.run_id(adapter_name)
+def _ensure_run_row(call: Call, spec: LoraSpec) -> TrainingRunRow:
+    db, rid = call.db, call.nm.run_id(call.adapter)
     row = db.get(TrainingRunRow, rid)
     if row is None:
         row = TrainingRunRow(
             id=rid,
-            session_id=nm.session_id,
-            user_id=who.user_id,
-            base_model=nm.base_model,
+            session_id=call.nm.session_id,
+            user_id=call.who.user_id,
+            base_model=call.nm.base_model,
             lora_rank=spec.rank,
             train_attn=spec.train_attn,
             train_mlp=spec.train_mlp,
             train_unembed=spec.train_unembed,
             seed=spec.seed,
-            user_metadata={"client": "twinkle", "adapter_name": adapter_name},
+            user_metadata={"client": "twinkle", "adapter_name": call.adapter},
         )
         db.add(row)
         db.commit()
     return row
 
 
-async def _add_adapter(nm: NativeModel, name: str, kw: dict, who, db, quotas) -> None:
+async def _add_adapter(call: Call, kw: dict) -> None:
+    nm, name, db, who, quotas = call.nm, call.adapter, call.db, call.who, call.quotas
     if "config" not in kw:
         raise InvalidRequestError(
             "kwargs.config: a LoRA config (dict) or a checkpoint path is required"
         )
-    if nm.proxy.has_adapter(name):
+    if await call.has_adapter():
         raise InvalidRequestError(f"adapter_name: {name!r} exists already in this model")
     config = kw["config"]
     if isinstance(config, str):  # start from a checkpoint's weights
-        ckpt = _checkpoint(db, who, nm, name, config, "config")
-        src = db.get(TrainingRunRow, ckpt.run_id)
+        ckpt, src = _checkpoint(call, config, "config")
         spec = _spec_of(src)
         kw["config"] = ckpt.storage_dir
     elif isinstance(config, dict):
         spec = lora_spec_from_config(config)
-        if spec.rank > nm.proxy.max_lora_rank:
+        if spec.rank > nm.max_lora_rank:
             raise InvalidRequestError(
-                f"config.r: rank {spec.rank} exceeds max LoRA rank {nm.proxy.max_lora_rank} "
+                f"config.r: rank {spec.rank} exceeds max LoRA rank {nm.max_lora_rank} "
                 f"for model {nm.base_model}"
             )
     else:
@@ -253,9 +236,9 @@ async def _add_adapter(nm: NativeModel, name: str, kw: dict, who, db, quotas) ->
     # the same quotas as Tinker's create_model: max LoRA rank, concurrent training clients
     limits = quotas.limits(who, db)
     quotas.check_lora_rank(who, spec.rank, limits)
-    await quotas.acquire_training_client(who, nm.proxy.run_id(name), limits, db)
-    existed = db.get(TrainingRunRow, nm.proxy.run_id(name)) is not None
-    row = _ensure_run_row(db, who, nm, name, spec)
+    await quotas.acquire_training_client(who, nm.run_id(name), limits, db)
+    existed = db.get(TrainingRunRow, nm.run_id(name)) is not None
+    row = _ensure_run_row(call, spec)
     if existed:  # re-added after remove_adapter: the run (and its checkpoints) continue
         row.lora_rank, row.seed = spec.rank, spec.seed
         row.train_attn, row.train_mlp = spec.train_attn, spec.train_mlp
@@ -263,7 +246,7 @@ async def _add_adapter(nm: NativeModel, name: str, kw: dict, who, db, quotas) ->
         db.add(row)
         db.commit()
     try:
-        await _invoke(nm, "add_adapter_to_model", name, kw)
+        await call.invoke("add_adapter_to_model", kw)
     except BaseException:
         if not existed:
             db.delete(row)
@@ -272,20 +255,20 @@ async def _add_adapter(nm: NativeModel, name: str, kw: dict, who, db, quotas) ->
         raise
 
 
-async def _save(nm: NativeModel, name: str, kw: dict, who, db, settings) -> dict:
+async def _save(call: Call, kw: dict) -> dict:
     _no_server_paths(kw)
     ckpt_name = validate_name(kw.get("name") or "", "name")
-    rid = nm.proxy.run_id(name)
-    if not nm.proxy.has_adapter(name) or db.get(TrainingRunRow, rid) is None:
-        raise NotFoundError(f"adapter_name: adapter {name!r} is not in this model")
+    rid = call.nm.run_id(call.adapter)
+    if call.db.get(TrainingRunRow, rid) is None or not await call.has_adapter():
+        raise NotFoundError(f"adapter_name: adapter {call.adapter!r} is not in this model")
     kind = "sampler" if kw.get("is_sampler") else "training"
     parsed = ParsedPath(rid, kind, ckpt_name)
-    directory = new_storage_dir(settings.data_dir, who.user_id, parsed)
+    directory = new_storage_dir(call.settings.data_dir, call.who.user_id, parsed)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    kw.update(name=directory.name, output_dir=directory.parent)
-    await _invoke(nm, "save", name, kw)
+    kw.update(name=directory.name, output_dir=str(directory.parent))
+    await call.invoke("save", kw)
     size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-    with Session(db.get_bind()) as s:
+    with Session(call.db.get_bind()) as s:
         old = s.exec(select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path))
         old = old.first()
         if old is not None:  # same name again: the new checkpoint replaces it (as upstream)
@@ -298,7 +281,7 @@ async def _save(nm: NativeModel, name: str, kw: dict, who, db, settings) -> dict
         s.add(
             CheckpointRow(
                 run_id=rid,
-                user_id=who.user_id,
+                user_id=call.who.user_id,
                 kind=kind,
                 name=ckpt_name,
                 tinker_path=parsed.tinker_path,
@@ -316,15 +299,26 @@ async def _save(nm: NativeModel, name: str, kw: dict, who, db, settings) -> dict
     }
 
 
-async def _load(nm: NativeModel, method: str, name: str, kw: dict, who, db) -> Any:
-    _no_server_paths(kw)
-    ref = kw.get("name")
-    ckpt = _checkpoint(db, who, nm, name, ref, "name")
-    src = db.get(TrainingRunRow, ckpt.run_id)
-    _ensure_run_row(db, who, nm, name, _spec_of(src))
-    kw["name"] = ckpt.storage_dir
-    result = await _invoke(nm, method, name, kw)
-    path = twinkle_path(ckpt.tinker_path)
-    if isinstance(result, dict):
-        return {**result, "checkpoint": path}
-    return path
+def _loader(method: str) -> Callable[[Call, dict], Awaitable[Any]]:
+    async def load(call: Call, kw: dict) -> Any:
+        _no_server_paths(kw)
+        ckpt, src = _checkpoint(call, kw.get("name"), "name")
+        _ensure_run_row(call, _spec_of(src))
+        kw["name"] = ckpt.storage_dir
+        result = await call.invoke(method, kw)
+        path = twinkle_path(ckpt.tinker_path)
+        return {**result, "checkpoint": path} if isinstance(result, dict) else path
+
+    return load
+
+
+#: methods the gateway takes part in (validation, runs, quotas, checkpoint rows); every other
+#: method of NATIVE_MODEL_METHODS goes to the engine as it is
+_SPECIAL: dict[str, Callable[[Call, dict], Awaitable[Any]]] = {
+    "set_template": _set_template,
+    "set_processor": _set_processor,
+    "add_adapter_to_model": _add_adapter,
+    "save": _save,
+    "load": _loader("load"),
+    "resume_from_checkpoint": _loader("resume_from_checkpoint"),
+}

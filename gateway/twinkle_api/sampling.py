@@ -20,7 +20,6 @@ import math
 
 from fastapi import APIRouter, Request
 
-from engine.base_models.registry import resolve_model_dir
 from engine.protocol import SampleInput, SamplingParams
 from gateway.db.tables import TrainingRunRow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep
@@ -42,7 +41,7 @@ def encoder_for(config, settings, base_model: str, template) -> ChatEncoder:
             f"{[x.name for x in config.models]}"
         )
     check_template(template.name, template.kwargs, "template")
-    model_dir = resolve_model_dir(m.name, str(settings.data_dir), m.path)
+    model_dir = m.files_dir(settings.data_dir)  # built by the engine (torch-free gateway)
     return ChatEncoder(load_tokenizer(str(model_dir)), template.kwargs)
 
 

@@ -2,7 +2,7 @@
 
 Unknown fields are refused (``extra="forbid"``): the native client is ours, so a misspelt field is
 a bug worth a 400 naming it. Method arguments of model calls travel in ``kwargs`` and are checked
-against the engine class's own signature (model_routes.py).
+against the engine class's own signature (engine/native/host.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,21 @@
-"""A `TrainingBackend` that forwards to the shared Trainer through the engine client.
+"""A `TrainingBackend` over the Trainer it lives in, for the native models it hosts.
 
-The native routes run the engine's own `MultiLoraTransformersModel` (engine/local/model.py) on the
-gateway, so a remote script gets exactly the in-process class's semantics (loss configs,
-gradient accumulation, LR schedules, metrics, checkpoint training configs). Its compute goes to
-the same Trainer the Tinker routes use, through this backend: each adapter name of a native model
-becomes one training run (``{model_id}:{adapter_name}``) in the shared adapter pool, with its own
-seq_id sequence (0 = creation), under the caller's tenant.
+The native API runs the engine's own `MultiLoraTransformersModel` (engine/local/model.py), so a
+remote script gets exactly the in-process class's semantics. Its compute goes through this
+backend to the Trainer's public coroutines, so native work is ordered, fairly scheduled and
+pooled like Tinker work: each adapter name of a native model is one Trainer adapter (the run
+``{model_id}:{adapter_name}``, `engine.protocol.native_run_id`) with its own seq_id sequence
+(0 = creation), under the owner's tenant.
 
-The model class is synchronous, so routes drive it on a worker thread; this backend hands each
-call to the event loop and waits for it (`asyncio.run_coroutine_threadsafe`).
+The model class is synchronous, so the host drives it on a worker thread; this backend hands each
+call to the Trainer's event loop and waits for it (`asyncio.run_coroutine_threadsafe`). The loop
+never waits for the worker, so this cannot deadlock.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.backends.base import TrainingBackend
 from engine.errors import AdapterNotFoundError
@@ -24,36 +25,34 @@ from engine.protocol import (
     ForwardBackwardOutput,
     LoraSpec,
     OptimStepOutput,
+    native_run_id,
 )
-from gateway.engine_client import EngineClient
+
+if TYPE_CHECKING:
+    from engine.trainer import Trainer
 
 
-class TrainerProxyBackend(TrainingBackend):
+class TrainerBackend(TrainingBackend):
     def __init__(
-        self,
-        engine: EngineClient,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        base_model: str,
-        model_id: str,
-        tenant: str,
-        vocab_size: int,
-        max_lora_rank: int,
+        self, trainer: Trainer, loop: asyncio.AbstractEventLoop, *, model_id: str, tenant: str
     ) -> None:
-        self._engine, self._loop = engine, loop
-        self.base_model, self.model_id, self.tenant = base_model, model_id, tenant
-        self.vocab_size, self.max_lora_rank = vocab_size, max_lora_rank
+        self._trainer, self._loop = trainer, loop
+        self.model_id, self.tenant = model_id, tenant
+        self.vocab_size = trainer.backend.vocab_size
+        self.max_lora_rank = trainer.backend.max_lora_rank
         self._next_seq: dict[str, int] = {}  # run id → next seq_id (present = created)
         self._specs: dict[str, LoraSpec] = {}
 
     def run_id(self, adapter_name: str) -> str:
-        return f"{self.model_id}:{adapter_name}"
+        return native_run_id(self.model_id, adapter_name)
+
+    @property
+    def run_ids(self) -> list[str]:
+        return list(self._next_seq)
 
     def _call(self, method: str, *args: Any) -> Any:
-        fut = asyncio.run_coroutine_threadsafe(
-            self._engine.trainer(self.base_model, method, *args), self._loop
-        )
-        return fut.result()
+        coro = getattr(self._trainer, method)(*args)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _seq(self, adapter_name: str) -> tuple[str, int]:
         rid = self.run_id(adapter_name)
@@ -108,7 +107,7 @@ class TrainerProxyBackend(TrainingBackend):
         self._specs[rid] = spec
         return spec
 
-    def grad_op(self, adapter_id: str, op: str) -> float | None:
+    def adapter_grad(self, adapter_id: str, op: str) -> float | None:
         """The accumulated gradient's L2 norm ("norm") or dropping it ("zero"), in seq order."""
         rid, seq = self._seq(adapter_id)
         return self._call("adapter_grad", rid, seq, op)

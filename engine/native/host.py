@@ -1,0 +1,144 @@
+"""The native models a Trainer replica hosts, keyed by model id.
+
+A native model (``POST /api/v1/twinkle/model/create``) is the engine's own
+`MultiLoraTransformersModel` whose compute runs through this Trainer (`TrainerBackend`). Its state
+(loss, optimizer, LR schedule, template and processor settings, accumulation counters, metrics,
+the inputs `forward` cached for `backward`) lives here, next to its adapters, so any gateway
+replica can serve any call: the gateway routes every call by model id
+(`engine.protocol.trainer_route_key`) and keeps only who owns the model. A Trainer restart loses
+them, as it loses the adapters; the gateway then answers 404 and the client recreates the model
+and resumes from a checkpoint.
+
+Calls on one model run one at a time, in arrival order (one lock per model: the class is not
+thread-safe); calls on different models run concurrently on worker threads and meet in the
+Trainer's fair scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import AdapterNotFoundError, UserInputError
+from engine.local.model import MultiLoraTransformersModel
+from engine.local.training_config import check_clip
+from engine.native.trainer_backend import TrainerBackend
+from engine.protocol import NATIVE_MODEL_METHODS
+
+if TYPE_CHECKING:
+    from engine.trainer import Trainer
+
+#: worker threads driving native models; each one mostly waits for the Trainer's single compute
+#: thread, so this only bounds how many models queue compute at once (more wait for a worker)
+NATIVE_WORKERS = 16
+
+
+class ServedModel(MultiLoraTransformersModel):
+    """The engine class with the two methods that read gradients directly (`clip_grad_norm`,
+    `zero_grad`) going through the Trainer's ordering instead (`TrainerBackend.adapter_grad`);
+    same signatures and semantics as the engine's."""
+
+    backend: TrainerBackend
+
+    def clip_grad_norm(
+        self, max_grad_norm: float = 1.0, norm_type: float = 2, *, adapter_name: str = "default"
+    ) -> float | None:
+        st = self._st(adapter_name)
+        st.clip = check_clip(max_grad_norm, norm_type)
+        if not st.pending_grad:
+            return 0.0
+        return self.backend.adapter_grad(adapter_name, "norm")
+
+    def zero_grad(self, *, adapter_name: str = "default") -> None:
+        st = self._st(adapter_name)
+        if st.micro != 0 or not st.pending_grad:
+            return
+        self.backend.adapter_grad(adapter_name, "zero")
+        st.pending_grad = False
+
+
+@dataclass
+class _Hosted:
+    model: ServedModel
+    tenant: str
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _not_found(model_id: str) -> AdapterNotFoundError:
+    return AdapterNotFoundError(
+        f"model_id: model {model_id!r} not found (the server may have restarted: create the "
+        "model again and resume_from_checkpoint)"
+    )
+
+
+class NativeModelHost:
+    def __init__(self, trainer: Trainer, data_dir: str | Path) -> None:
+        self._trainer = trainer
+        self._data_dir = Path(data_dir)
+        self._models: dict[str, _Hosted] = {}
+        self._pool = ThreadPoolExecutor(NATIVE_WORKERS, thread_name_prefix="native-model")
+
+    def _get(self, model_id: str, tenant: str) -> _Hosted:
+        hosted = self._models.get(model_id)
+        if hosted is None or hosted.tenant != tenant:  # the gateway checked ownership already
+            raise _not_found(model_id)
+        return hosted
+
+    async def _run(self, hosted: _Hosted, fn) -> Any:
+        async with hosted.lock:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    async def create(self, model_id: str, tenant: str) -> dict[str, Any]:
+        """Host a new, empty model (adapters come with add_adapter_to_model). Repeating it for the
+        same tenant (a retried request) keeps the model."""
+        hosted = self._models.get(model_id)
+        if hosted is None:
+            backend = TrainerBackend(
+                self._trainer, asyncio.get_running_loop(), model_id=model_id, tenant=tenant
+            )
+            model = ServedModel(self._trainer.model.name, backend=backend, data_dir=self._data_dir)
+            hosted = self._models[model_id] = _Hosted(model, tenant)
+        elif hosted.tenant != tenant:
+            raise UserInputError(f"model_id: {model_id!r} is taken")
+        return {"model_id": model_id, "max_lora_rank": hosted.model.backend.max_lora_rank}
+
+    async def call(
+        self, model_id: str, tenant: str, method: str, adapter_name: str, kwargs: dict[str, Any]
+    ) -> Any:
+        """``model.<method>(adapter_name=..., **kwargs)``, its arguments checked against the
+        engine class's own signature (a 400 naming the argument, as the in-process call)."""
+        if method not in NATIVE_MODEL_METHODS:
+            raise UserInputError(f"method: {method!r} is not a model method")
+        hosted = self._get(model_id, tenant)
+        fn = getattr(hosted.model, method)
+        try:
+            inspect.signature(fn).bind(adapter_name=adapter_name, **kwargs)
+        except TypeError as exc:
+            raise UserInputError(f"kwargs: {method}() {exc}") from None
+        return await self._run(hosted, lambda: fn(adapter_name=adapter_name, **kwargs))
+
+    async def adapters(self, model_id: str, tenant: str) -> list[str]:
+        """The model's adapter names."""
+        return self._get(model_id, tenant).model.adapter_names
+
+    async def close(self, model_id: str, tenant: str) -> None:
+        """Drop the model's adapters from the Trainer and forget the model (its runs and
+        checkpoints stay in the gateway's DB). A no-op for an unknown model."""
+        hosted = self._models.get(model_id)
+        if hosted is None or hosted.tenant != tenant:
+            return
+        model = hosted.model
+
+        def remove_all() -> None:
+            for name in list(model.adapter_names):
+                model.remove_adapter(name)
+
+        await self._run(hosted, remove_all)
+        self._models.pop(model_id, None)
+
+    def model_ids(self) -> list[str]:
+        return list(self._models)
