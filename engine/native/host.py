@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import AdapterNotFoundError, UserInputError
 from engine.local.model import MultiLoraTransformersModel
-from engine.local.training_config import check_clip
 from engine.native.trainer_backend import TrainerBackend
 from engine.protocol import NATIVE_MODEL_METHODS
 
@@ -37,33 +36,9 @@ if TYPE_CHECKING:
 NATIVE_WORKERS = 16
 
 
-class ServedModel(MultiLoraTransformersModel):
-    """The engine class with the two methods that read gradients directly (`clip_grad_norm`,
-    `zero_grad`) going through the Trainer's ordering instead (`TrainerBackend.adapter_grad`);
-    same signatures and semantics as the engine's."""
-
-    backend: TrainerBackend
-
-    def clip_grad_norm(
-        self, max_grad_norm: float = 1.0, norm_type: float = 2, *, adapter_name: str = "default"
-    ) -> float | None:
-        st = self._st(adapter_name)
-        st.clip = check_clip(max_grad_norm, norm_type)
-        if not st.pending_grad:
-            return 0.0
-        return self.backend.adapter_grad(adapter_name, "norm")
-
-    def zero_grad(self, *, adapter_name: str = "default") -> None:
-        st = self._st(adapter_name)
-        if st.micro != 0 or not st.pending_grad:
-            return
-        self.backend.adapter_grad(adapter_name, "zero")
-        st.pending_grad = False
-
-
 @dataclass
 class _Hosted:
-    model: ServedModel
+    model: MultiLoraTransformersModel
     tenant: str
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -100,7 +75,9 @@ class NativeModelHost:
             backend = TrainerBackend(
                 self._trainer, asyncio.get_running_loop(), model_id=model_id, tenant=tenant
             )
-            model = ServedModel(self._trainer.model.name, backend=backend, data_dir=self._data_dir)
+            model = MultiLoraTransformersModel(
+                self._trainer.model.name, backend=backend, data_dir=self._data_dir
+            )
             hosted = self._models[model_id] = _Hosted(model, tenant)
         elif hosted.tenant != tenant:
             raise UserInputError(f"model_id: {model_id!r} is taken")
