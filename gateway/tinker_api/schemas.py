@@ -110,6 +110,14 @@ class LoadWeightsRequest(_Req):
     seq_id: int | None = Field(None, ge=1)
 
 
+class SaveWeightsExternalRequest(_Req):
+    model_id: str
+    path: str
+    seq_id: int = Field(ge=1)
+    ttl_seconds: int | None = Field(None, ge=1)
+    age_encryption_recipients: list[str] | None = None
+
+
 class CreateSamplingSessionRequest(_Req):
     session_id: str
     sampling_session_seq_id: int = Field(ge=0)
@@ -160,3 +168,54 @@ class UntypedFuture(BaseModel):
     request_id: str
     model_id: str | None = None
     sample_sequence_ids: list[str] | None = None
+
+
+# -- responses ---------------------------------------------------------------------------------
+# Field order is the order the routes always sent; a route returning one of these is serialised
+# through it (FastAPI), so a key the model lacks would be dropped: keep them complete.
+
+
+class FutureResponse(BaseModel):
+    """A submitted future of a model (SDK: UntypedAPIFuture)."""
+
+    request_id: str
+    model_id: str
+
+
+class SampleFutureResponse(BaseModel):
+    """A submitted sample future (SDK: UntypedAPIFuture with sample_sequence_ids)."""
+
+    request_id: str
+    sample_sequence_ids: list[str]
+
+
+class ModelData(BaseModel):
+    arch: str
+    model_name: str
+    tokenizer_id: str
+
+
+class GetInfoResponse(BaseModel):
+    type: Literal["get_info"]
+    model_id: str
+    model_data: ModelData
+    model_name: str
+    is_lora: bool
+    lora_rank: int
+    optimizer_config: dict[str, Any]
+
+
+class CreateSamplingSessionResponse(BaseModel):
+    sampling_session_id: str
+    type: Literal["create_sampling_session"]
+
+
+class GetSamplerResponse(BaseModel):
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+
+
+class ExternalWeightsUrlsResponse(BaseModel):
+    urls: dict[str, str]
+    expires: str
