@@ -18,8 +18,8 @@ Takeover: each replica holds a lease key in the KV. A pending record whose owner
 (the replica died or restarted) is taken over by the first replica asked about it: if the record
 carries a *job* (a JSON description of its engine call, see `gateway.tinker_api.jobs`), the new
 replica runs the job again, and the Trainer answers a repeated (model_id, seq_id) with the first
-execution's result (engine/scheduling/exactly_once.py), so nothing runs twice. A record without a job (sampling,
-saves) becomes expired: 410, which makes the SDK resubmit a sample.
+execution's result (engine/scheduling/exactly_once.py), so nothing runs twice. A record without a
+job (sampling, saves) becomes expired: 410, which makes the SDK resubmit a sample.
 """
 
 from __future__ import annotations

@@ -30,21 +30,27 @@ from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import ParsedPath, new_storage_dir, parse_path, readable_checkpoint
 from gateway.tinker_api.runs import checkpoint_json
-from gateway.tinker_api.schemas import _Req
+from gateway.tinker_api.schemas import (
+    Checkpoint,
+    CopyWeightsResponse,
+    WeightsInfoResponse,
+    WireRequest,
+    returns,
+)
 
 router = APIRouter(prefix="/api/v1")
 MAX_TTL_S = 10 * 365 * 86400
 
 
-class TtlRequest(_Req):
+class TtlRequest(WireRequest):
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
 
 
-class WeightsInfoRequest(_Req):
+class WeightsInfoRequest(WireRequest):
     tinker_path: str
 
 
-class CopyWeightsRequest(_Req):
+class CopyWeightsRequest(WireRequest):
     source_path: str
     destination_project_id: str | None = Field(None, max_length=128)
     session_id: str | None = None
@@ -66,8 +72,11 @@ def owned_checkpoint(db, who, run_id: str, checkpoint_id: str) -> CheckpointRow:
     return row
 
 
-@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+@router.post(
+    "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", **returns(Checkpoint)
+)
 async def publish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep) -> dict:
+    """Make one of your checkpoints readable by every user (RestClient.publish_checkpoint)."""
     row = owned_checkpoint(db, who, run_id, checkpoint_id)
     row.public = True
     db.add(row)
@@ -76,8 +85,11 @@ async def publish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep)
     return checkpoint_json(row)
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+@router.delete(
+    "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", **returns(Checkpoint)
+)
 async def unpublish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep) -> dict:
+    """Make a published checkpoint private again."""
     row = owned_checkpoint(db, who, run_id, checkpoint_id)
     row.public = False
     db.add(row)
@@ -86,10 +98,11 @@ async def unpublish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDe
     return checkpoint_json(row)
 
 
-@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", **returns(Checkpoint))
 async def set_ttl(
     run_id: str, checkpoint_id: str, req: TtlRequest, who: PrincipalDep, db: DbDep
 ) -> dict:
+    """Set (or clear, with null) a checkpoint's time to live, counted from now."""
     row = owned_checkpoint(db, who, run_id, checkpoint_id)
     row.expires_at = (
         None if req.ttl_seconds is None else utcnow() + timedelta(seconds=req.ttl_seconds)
@@ -100,8 +113,9 @@ async def set_ttl(
     return checkpoint_json(row)
 
 
-@router.post("/weights_info")
+@router.post("/weights_info", **returns(WeightsInfoResponse))
 async def weights_info(req: WeightsInfoRequest, who: PrincipalDep, db: DbDep) -> dict:
+    """The base model and LoRA shape of a readable checkpoint path."""
     row = readable_checkpoint(db, who.user_id, req.tinker_path, "tinker_path")
     run = db.get(TrainingRunRow, row.run_id)
     if run is None:
@@ -129,7 +143,7 @@ def _link_tree(src: Path, dst: Path) -> None:
     os.rename(tmp, dst)
 
 
-@router.post("/copy_weights")
+@router.post("/copy_weights", **returns(CopyWeightsResponse))
 async def copy_weights(
     req: CopyWeightsRequest,
     who: PrincipalDep,
@@ -137,6 +151,7 @@ async def copy_weights(
     settings: SettingsDep,
     quotas: QuotasDep,
 ) -> dict:
+    """Copy a readable checkpoint into one of your runs (hard links; quotas apply)."""
     src = readable_checkpoint(db, who.user_id, req.source_path, "source_path")
     if src.ephemeral:
         raise InvalidRequestError("source_path: ephemeral sampler weights cannot be copied")

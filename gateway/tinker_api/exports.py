@@ -38,6 +38,7 @@ from gateway.tinker_api.schemas import (
     ExternalWeightsUrlsResponse,
     FutureResponse,
     SaveWeightsExternalRequest,
+    returns,
 )
 from gateway.tinker_api.sequenced import Run, TinkerDep, future_json, submit_sequenced
 
@@ -71,8 +72,8 @@ def _signature(key: bytes, row: CheckpointRow, filename: str, expires: int) -> s
     return hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
 
 
-@router.post("/save_weights_external")
-async def save_weights_external(req: SaveWeightsExternalRequest, t: TinkerDep) -> FutureResponse:
+@router.post("/save_weights_external", **returns(FutureResponse))
+async def save_weights_external(req: SaveWeightsExternalRequest, t: TinkerDep) -> dict:
     """Export the adapter in PEFT format under external_weights/<path>, in seq_id order."""
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(t.db, t.who, req.model_id, live=True)
@@ -90,7 +91,10 @@ async def save_weights_external(req: SaveWeightsExternalRequest, t: TinkerDep) -
     return future_json(rec, run.id)
 
 
-@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+@router.get(
+    "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls",
+    **returns(ExternalWeightsUrlsResponse),
+)
 async def external_weights_urls(
     run_id: str,
     checkpoint_id: str,
@@ -99,7 +103,7 @@ async def external_weights_urls(
     db: DbDep,
     settings: SettingsDep,
     config: ConfigDep,
-) -> ExternalWeightsUrlsResponse:
+) -> dict:
     """Signed download URLs of an export's files (no API key needed until they expire)."""
     from gateway.tinker_api.checkpoints import visible_checkpoint
 

@@ -28,6 +28,7 @@ async def retrieve_future(
     config: ConfigDep,
     engine: EngineDep,
 ) -> Response | dict:
+    """Long-poll a future: try_again, its error, its metadata, or its JSON / protobuf result."""
     found = await futures.find(req.request_id, who.user_id)
     if found == "expired":
         raise GoneError(

@@ -18,6 +18,7 @@ from gateway.tinker_api.schemas import (
     GetSamplerResponse,
     SampleFutureResponse,
     SampleRequest,
+    returns,
 )
 from gateway.tinker_api.sequenced import Prepared, Run, Tinker, TinkerDep, submit_once
 
@@ -37,15 +38,16 @@ def _resolve_target(db, who, config, base_model: str | None, model_path: str | N
         raise InvalidRequestError("base_model or model_path: one is required")
     if config.model(base_model) is None:
         raise InvalidRequestError(
-            f"base_model: {base_model!r} is not served here; available: {[m.name for m in config.models]}"
+            f"base_model: {base_model!r} is not served here; available: "
+            f"{[m.name for m in config.models]}"
         )
     return base_model, None, None
 
 
-@router.post("/create_sampling_session")
+@router.post("/create_sampling_session", **returns(CreateSamplingSessionResponse))
 async def create_sampling_session(
     req: CreateSamplingSessionRequest, who: PrincipalDep, db: DbDep, config: ConfigDep
-) -> CreateSamplingSessionResponse:
+) -> dict:
     """Open a sampling session on a base model or a saved checkpoint path."""
     session = owned_session(db, who, req.session_id)
     base, adapter_dir, path = _resolve_target(db, who, config, req.base_model, req.model_path)
@@ -65,8 +67,8 @@ async def create_sampling_session(
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
 
-@router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, who: PrincipalDep, db: DbDep) -> GetSamplerResponse:
+@router.get("/samplers/{sampler_id}", **returns(GetSamplerResponse))
+async def get_sampler(sampler_id: str, who: PrincipalDep, db: DbDep) -> dict:
     """A sampling session's base model and checkpoint path."""
     row = owned_sampler(db, who, sampler_id)
     return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
@@ -112,10 +114,8 @@ def _prompt_tokens(req: SampleRequest) -> list[int]:
     return tokens
 
 
-@router.post("/asample")
-async def asample(
-    req: SampleRequest, t: TinkerDep, limiter: SamplingLimiterDep
-) -> SampleFutureResponse:
+@router.post("/asample", **returns(SampleFutureResponse))
+async def asample(req: SampleRequest, t: TinkerDep, limiter: SamplingLimiterDep) -> dict:
     """Sample from a sampling session (or a base model / checkpoint path); protobuf result."""
     if req.sampling_session_id:
         row = owned_sampler(t.db, t.who, req.sampling_session_id)

@@ -28,6 +28,7 @@ from gateway.tinker_api.schemas import (
     FutureResponse,
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
+    returns,
 )
 from gateway.tinker_api.sequenced import Run, Tinker, TinkerDep, future_json, submit_sequenced
 
@@ -178,8 +179,8 @@ async def prepare_save(t: Tinker, run: TrainingRunRow, seq_id: int, spec: SaveSp
     return run_
 
 
-@router.post("/save_weights")
-async def save_weights(req: SaveWeightsRequest, t: TinkerDep) -> FutureResponse:
+@router.post("/save_weights", **returns(FutureResponse))
+async def save_weights(req: SaveWeightsRequest, t: TinkerDep) -> dict:
     """Save the model's training state (weights and optimizer) under weights/<path>."""
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(t.db, t.who, req.model_id, live=True)
@@ -199,10 +200,8 @@ async def save_weights(req: SaveWeightsRequest, t: TinkerDep) -> FutureResponse:
     return future_json(rec, run.id)
 
 
-@router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(
-    req: SaveWeightsForSamplerRequest, t: TinkerDep
-) -> FutureResponse:
+@router.post("/save_weights_for_sampler", **returns(FutureResponse))
+async def save_weights_for_sampler(req: SaveWeightsForSamplerRequest, t: TinkerDep) -> dict:
     """Save sampler weights: named (sampler_weights/<path>) or ephemeral, backing a new sampler."""
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(t.db, t.who, req.model_id, live=True)

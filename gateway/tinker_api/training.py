@@ -29,6 +29,7 @@ from gateway.tinker_api.schemas import (
     GetInfoResponse,
     LoadWeightsRequest,
     OptimStepRequest,
+    returns,
 )
 from gateway.tinker_api.sequenced import (
     Prepared,
@@ -86,8 +87,8 @@ async def _add_run(t: Tinker, run: TrainingRunRow) -> None:
     t.db.commit()
 
 
-@router.post("/create_model")
-async def create_model(req: CreateModelRequest, t: TinkerDep) -> FutureResponse:
+@router.post("/create_model", **returns(FutureResponse))
+async def create_model(req: CreateModelRequest, t: TinkerDep) -> dict:
     """Create a LoRA training model in a session; the future resolves to its model id."""
     fp = fingerprint(req.model_dump(mode="json"))
     session = owned_session(t.db, t.who, req.session_id)
@@ -115,8 +116,8 @@ async def create_model(req: CreateModelRequest, t: TinkerDep) -> FutureResponse:
     return future_json(rec, model_id)
 
 
-@router.post("/get_info")
-async def get_info(req: GetInfoRequest, t: TinkerDep) -> GetInfoResponse:
+@router.post("/get_info", **returns(GetInfoResponse))
+async def get_info(req: GetInfoRequest, t: TinkerDep) -> dict:
     """A training model's base model, LoRA rank and optimizer."""
     run = owned_run(t.db, t.who, req.model_id, live=True)
     return {
@@ -182,9 +183,9 @@ def _decode(body: bytes):
         return msg.model_id, int(msg.seq_id), None, str(exc)
 
 
-@router.post("/forward")  # SDK 0.16.x: forward-only, JSON body
-@router.post("/forward_backward")
-async def forward_backward(request: Request, t: TinkerDep) -> FutureResponse:
+@router.post("/forward", **returns(FutureResponse))  # SDK 0.16.x: forward-only, JSON body
+@router.post("/forward_backward", **returns(FutureResponse))
+async def forward_backward(request: Request, t: TinkerDep) -> dict:
     """Forward (and backward) over a batch in the model's seq_id order; protobuf in and out."""
     body = await _forward_backward_body(request)
     fp = fingerprint(body)
@@ -230,8 +231,8 @@ def _metered(t: Tinker, run: TrainingRunRow, job: jobs.Job, n_tokens: int) -> Ru
     return run_
 
 
-@router.post("/optim_step")
-async def optim_step(req: OptimStepRequest, t: TinkerDep) -> FutureResponse:
+@router.post("/optim_step", **returns(FutureResponse))
+async def optim_step(req: OptimStepRequest, t: TinkerDep) -> dict:
     """An AdamW step in the model's seq_id order; the future resolves to its metrics."""
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(t.db, t.who, req.model_id, live=True)
@@ -248,8 +249,8 @@ async def optim_step(req: OptimStepRequest, t: TinkerDep) -> FutureResponse:
     return future_json(rec, run.id)
 
 
-@router.post("/load_weights")
-async def load_weights(req: LoadWeightsRequest, t: TinkerDep) -> FutureResponse:
+@router.post("/load_weights", **returns(FutureResponse))
+async def load_weights(req: LoadWeightsRequest, t: TinkerDep) -> dict:
     """Load a saved training state: into a model in place (sequenced), or as a new model."""
     fp = fingerprint(req.model_dump(mode="json"))
     ckpt = readable_checkpoint(t.db, t.who.user_id, req.path, "path")
