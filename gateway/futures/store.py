@@ -7,7 +7,8 @@ answers 410, not 404, for a day after it expired), and idempotency: a retried su
 with a different payload (its fingerprint) is a 409. A key is *claimed* before anything is charged
 or submitted (`claim`): in this replica under the event loop (no await between the check and the
 claim), across replicas with the KV's ``set(only_new=True)`` (Redis ``SET NX``); a second claimant
-waits for the first one's future id instead of racing it.
+waits for the first one's future id instead of racing it. The record and claim types are in
+`gateway.futures.record`.
 
 Records live in this replica's memory (the coroutine and the long-poll event are local); when a
 shared KV (Redis) is configured, records (pending and finished), expiry tombstones and the
@@ -25,20 +26,18 @@ job (sampling, saves) becomes expired: 410, which makes the SDK resubmit a sampl
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import EngineError
-from gateway.errors import ConflictError
 from gateway.futures.kv import KV, MemoryKV
+from gateway.futures.record import Claim, FutureRecord, Result, conflict, fingerprint
+
+__all__ = ["Claim", "FutureRecord", "FutureStore", "Result", "fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -56,102 +55,6 @@ CLAIM_TTL_S = 60.0
 #: how often a claimant polls the shared KV for another replica's claim to become a future
 CLAIM_POLL_S = 0.02
 _CLAIM_PREFIX = b"claim:"
-
-
-def fingerprint(payload: bytes | str | dict | None) -> str | None:
-    """A stable digest of a request payload (dicts are serialised with sorted keys)."""
-    if payload is None:
-        return None
-    if isinstance(payload, dict):
-        payload = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
-    if isinstance(payload, str):
-        payload = payload.encode()
-    return hashlib.sha256(payload).hexdigest()
-
-
-@dataclass
-class FutureRecord:
-    request_id: str
-    user_id: int
-    kind: str
-    created: float = field(default_factory=time.monotonic)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    finished_at: float | None = None
-    json_result: dict[str, Any] | None = None
-    proto_result: bytes | None = None
-    error: str | None = None
-    category: str = "server"
-    idem_key: tuple[str, int] | None = None
-    fingerprint: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    owner: str | None = None
-    job: list | None = None
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "request_id": self.request_id,
-                "user_id": self.user_id,
-                "kind": self.kind,
-                "finished": self.done.is_set(),
-                "json_result": self.json_result,
-                "proto_result": None
-                if self.proto_result is None
-                else base64.b64encode(self.proto_result).decode(),
-                "error": self.error,
-                "category": self.category,
-                "idem_key": list(self.idem_key) if self.idem_key else None,
-                "fingerprint": self.fingerprint,
-                "extra": self.extra,
-                "owner": self.owner,
-                "job": self.job,
-            }
-        ).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> FutureRecord:
-        d = json.loads(raw)
-        rec = cls(
-            request_id=d["request_id"],
-            user_id=int(d["user_id"]),
-            kind=d["kind"],
-            json_result=d["json_result"],
-            proto_result=None if d["proto_result"] is None else base64.b64decode(d["proto_result"]),
-            error=d["error"],
-            category=d["category"],
-            idem_key=tuple(d["idem_key"]) if d["idem_key"] else None,  # type: ignore[arg-type]
-            fingerprint=d["fingerprint"],
-            extra=d.get("extra") or {},
-            owner=d.get("owner"),
-            job=d.get("job"),
-        )
-        if d["finished"]:
-            rec.finished_at = time.monotonic()
-            rec.done.set()
-        return rec
-
-
-#: the coroutine's return: ("json", dict) or ("proto", bytes)
-Result = tuple[str, Any]
-
-
-@dataclass
-class Claim:
-    """The right to submit the one future of an idempotency key (see `FutureStore.claim`)."""
-
-    key: tuple[str, int]
-    fp: str | None
-    #: resolved with the future id on submit, or None when released; same-replica claimants await it
-    settled: asyncio.Future = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-
-def _conflict(key: tuple[str, int]) -> ConflictError:
-    return ConflictError(
-        f"seq_id: {key[1]} of {key[0]} was already used by a different request; "
-        "a retry must resend the same request (use the next seq_id for a new one)"
-    )
 
 
 class FutureStore:
@@ -239,7 +142,7 @@ class FutureStore:
         if rec is None:
             return None
         if fp is not None and rec.fingerprint is not None and fp != rec.fingerprint:
-            raise _conflict(key)
+            raise conflict(key)
         return rec
 
     async def claim(self, key: tuple[str, int], fp: str | None) -> FutureRecord | Claim:
@@ -255,7 +158,7 @@ class FutureStore:
             held = self._claims.get(key)
             if held is not None:  # claimed in this replica: wait for its future id or release
                 if fp is not None and held.fp is not None and fp != held.fp:
-                    raise _conflict(key)
+                    raise conflict(key)
                 await asyncio.shield(held.settled)
                 continue
             # No await since the lookup above: check-and-claim is atomic within this replica.
@@ -283,7 +186,7 @@ class FutureStore:
                 return
             theirs = raw[len(_CLAIM_PREFIX) :].decode()
             if fp is not None and theirs and theirs != fp:
-                raise _conflict(key)
+                raise conflict(key)
             await asyncio.sleep(CLAIM_POLL_S)
 
     async def release(self, claim: Claim) -> None:

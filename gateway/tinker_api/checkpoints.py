@@ -158,30 +158,7 @@ async def copy_weights(
     source_run = db.get(TrainingRunRow, src.run_id)
     if source_run is None:
         raise NotFoundError(f"source_path: {req.source_path} not found")
-    if req.session_id is not None:
-        if req.model_seq_id is None:
-            raise InvalidRequestError("model_seq_id: required together with session_id")
-        session = owned_session(db, who, req.session_id)
-        run_id = f"{session.id}:train:{req.model_seq_id}"
-        if db.get(TrainingRunRow, run_id) is not None:
-            raise InvalidRequestError(f"model_seq_id: run {run_id} already exists in this session")
-    elif req.destination_project_id:
-        # A session of its own, already finished: it only owns the copy (never heartbeats).
-        session = SessionRow(
-            id=f"sess-{uuid.uuid4().hex[:16]}",
-            user_id=who.user_id,
-            project_id=req.destination_project_id,
-            display_name=f"copy of {parse_path(req.source_path, 'source_path').tinker_path}",
-            finished_at=utcnow(),
-            finish_reason="copy",
-        )
-        db.add(session)
-        db.flush()
-        run_id = f"{session.id}:train:0"
-    else:
-        raise InvalidRequestError(
-            "destination_project_id: give a destination project, or session_id and model_seq_id"
-        )
+    session, run_id = _copy_destination(db, who, req)
     db.add(
         TrainingRunRow(
             id=run_id,
@@ -197,10 +174,49 @@ async def copy_weights(
         )
     )
     db.flush()  # the run row first: the checkpoint row's foreign key points at it
+    target = await _copy_checkpoint(
+        db, who, quotas, settings.data_dir, src, run_id, req.ttl_seconds
+    )
+    return {"tinker_path": target.tinker_path}
+
+
+def _copy_destination(db, who, req: CopyWeightsRequest) -> tuple[SessionRow, str]:
+    """(session, run id) of the copy: the given session slot, or run 0 of a new session in the
+    destination project."""
+    if req.session_id is not None:
+        if req.model_seq_id is None:
+            raise InvalidRequestError("model_seq_id: required together with session_id")
+        session = owned_session(db, who, req.session_id)
+        run_id = f"{session.id}:train:{req.model_seq_id}"
+        if db.get(TrainingRunRow, run_id) is not None:
+            raise InvalidRequestError(f"model_seq_id: run {run_id} already exists in this session")
+        return session, run_id
+    if not req.destination_project_id:
+        raise InvalidRequestError(
+            "destination_project_id: give a destination project, or session_id and model_seq_id"
+        )
+    # A session of its own, already finished: it only owns the copy (never heartbeats).
+    session = SessionRow(
+        id=f"sess-{uuid.uuid4().hex[:16]}",
+        user_id=who.user_id,
+        project_id=req.destination_project_id,
+        display_name=f"copy of {parse_path(req.source_path, 'source_path').tinker_path}",
+        finished_at=utcnow(),
+        finish_reason="copy",
+    )
+    db.add(session)
+    db.flush()
+    return session, f"{session.id}:train:0"
+
+
+async def _copy_checkpoint(
+    db, who, quotas, data_dir: Path, src: CheckpointRow, run_id: str, ttl_seconds: int | None
+) -> ParsedPath:
+    """Hard-link ``src`` into run ``run_id`` and record it. A copy is a checkpoint of the
+    caller's: it counts toward their count and bytes caps (403)."""
     target = ParsedPath(run_id, src.kind, src.name)
-    # a copy is a checkpoint of the caller's: it counts toward their count and bytes caps (403)
     await quotas.reserve_checkpoint(who, target.tinker_path, int(src.size_bytes or 0), db)
-    directory = new_storage_dir(settings.data_dir, who.user_id, target)
+    directory = new_storage_dir(data_dir, who.user_id, target)
     _link_tree(Path(src.storage_dir), directory)
     db.add(
         CheckpointRow(
@@ -212,11 +228,9 @@ async def copy_weights(
             storage_dir=str(directory),
             size_bytes=src.size_bytes,
             user_metadata=dict(src.user_metadata or {}),
-            expires_at=None
-            if req.ttl_seconds is None
-            else utcnow() + timedelta(seconds=req.ttl_seconds),
+            expires_at=None if ttl_seconds is None else utcnow() + timedelta(seconds=ttl_seconds),
         )
     )
     db.commit()
     await quotas.commit_checkpoint(who.user_id, who.org_id, target.tinker_path, src.size_bytes)
-    return {"tinker_path": target.tinker_path}
+    return target
