@@ -3,8 +3,9 @@ one engine execution and one quota charge; the same key with another body is a 4
 
 Three layers, each over the in-process KV and a real Redis:
 
-* the Tinker routes (real gateway, in-process Trainer on the tiny model, real SQLite): sequenced
-  forward_backward through `gateway.tinker_api.sequenced.submit_sequenced`. The quota store is
+* the Tinker routes (real gateway, in-process Trainer and Sampler on the tiny model, real SQLite):
+  sequenced forward_backward (`gateway.tinker_api.sequenced.submit_sequenced`) and asample with a
+  seq_id (`submit_once`). The quota store is
   slowed by 50 ms per charge so the window between claim and submit is wide (before the claim
   existed, every one of the 20 copies charged and submitted in that window);
 * the future store's claim across two replicas (two `FutureStore`s on one shared KV);
@@ -72,10 +73,11 @@ def gateway(tmp_path, kv_kind):
     extra = {"redis_url": kv_kind} if kv_kind else {}
     app = make_app(tmp_path, db_url, engines, **extra)
     key = new_key(db_url, "alice")
-    set_quota(db_url, "user", "alice", "train_tokens_per_minute", 1_000_000)  # metered, never hit
+    for quota in ("train_tokens_per_minute", "sample_tokens_per_minute"):
+        set_quota(db_url, "user", "alice", quota, 1_000_000)  # metered, never reached
     with TestClient(app) as client:
         client.headers["X-API-Key"] = key
-        yield client, app, engines[BASE]["trainer"], key
+        yield client, app, engines[BASE], key
 
 
 def _wait(client: TestClient, request_id: str) -> dict | bytes:
@@ -112,13 +114,14 @@ def _slow_and_count(app, trainer) -> tuple[list, list]:
     return charges, calls
 
 
-async def _burst(app, key: str, bodies: list[bytes]) -> list[httpx.Response]:
-    """POST every body to forward_backward at once (one event loop: the app's)."""
+async def _burst(app, key: str, bodies: list[bytes], route: str = "forward_backward"):
+    """POST every body to ``route`` at once (one event loop: the app's)."""
     transport = httpx.ASGITransport(app=app)
-    headers = {"X-API-Key": key, "Content-Type": "application/x-protobuf"}
+    ctype = "application/x-protobuf" if route == "forward_backward" else "application/json"
+    headers = {"X-API-Key": key, "Content-Type": ctype}
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as ac:
         return await asyncio.gather(
-            *(ac.post("/api/v1/forward_backward", content=b, headers=headers) for b in bodies)
+            *(ac.post(f"/api/v1/{route}", content=b, headers=headers) for b in bodies)
         )
 
 
@@ -132,7 +135,8 @@ async def _train_tokens_used(app, key: str) -> int:
 
 
 def test_twenty_identical_forward_backwards_run_once(gateway) -> None:
-    client, app, trainer, key = gateway
+    client, app, engines, key = gateway
+    trainer = engines["trainer"]
     sid = client.post("/api/v1/create_session", json={}).json()["session_id"]
     fut = client.post(
         "/api/v1/create_model",
@@ -174,6 +178,42 @@ def test_twenty_identical_forward_backwards_run_once(gateway) -> None:
     _wait(client, ok[0].json()["request_id"])
     assert calls == [1, 2]
     assert len(charges) == 2
+
+
+def test_twenty_identical_samples_run_once(gateway) -> None:
+    client, app, engines, key = gateway
+    sid = client.post("/api/v1/create_session", json={}).json()["session_id"]
+    sampler_id = client.post(
+        "/api/v1/create_sampling_session",
+        json={"session_id": sid, "sampling_session_seq_id": 0, "base_model": BASE},
+    ).json()["sampling_session_id"]
+    charges, _ = _slow_and_count(app, engines["trainer"])
+    sampler, calls = engines["sampler"], []
+    sample = sampler.sample
+
+    async def counted_sample(inp, *args, **kw):
+        calls.append(inp.num_samples)
+        return await sample(inp, *args, **kw)
+
+    sampler.sample = counted_sample
+    req = {
+        "sampling_session_id": sampler_id,
+        "seq_id": 1,
+        "num_samples": 2,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": list(TOKENS)}]},
+        "sampling_params": {"max_tokens": 4, "seed": 0},
+    }
+    replies = client.portal.call(_burst, app, key, [json.dumps(req).encode()] * N, "asample")
+
+    assert [r.status_code for r in replies] == [200] * N, [r.text for r in replies]
+    answers = {json.dumps(r.json(), sort_keys=True) for r in replies}
+    assert len(answers) == 1, answers  # one request id, the same sample_sequence_ids
+    assert isinstance(_wait(client, replies[0].json()["request_id"]), bytes)
+    assert calls == [2]
+    assert charges == [len(TOKENS) + 4 * 2]  # prompt + max_tokens per sample, charged once
+    req["sampling_params"]["seed"] = 1
+    other = client.post("/api/v1/asample", json=req)
+    assert other.status_code == 409, other.text
 
 
 # -- the future store's claim across replicas ---------------------------------------------------
