@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from fastapi import APIRouter
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlmodel import Session, col, select
 
 from gateway.db.tables import CheckpointRow, SamplingSessionRow, TrainingRunRow, utcnow
@@ -117,7 +117,12 @@ async def run_save(
 
 
 def record_save(
-    bind: Engine, user_id: int, run: TrainingRunRow, spec: SaveSpec, res: Reservation, size: int
+    bind: Engine | Connection,
+    user_id: int,
+    run: TrainingRunRow,
+    spec: SaveSpec,
+    res: Reservation,
+    size: int,
 ) -> None:
     """The checkpoint row (an overwritten one and its files are removed), and the sampling session
     an ephemeral save backs. Its own DB session: the request's is closed by now."""

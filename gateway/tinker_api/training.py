@@ -196,8 +196,8 @@ async def forward_backward(request: Request, t: TinkerDep) -> dict:
     kind = "forward" if inp is not None and inp.forward_only else "forward_backward"
 
     async def prepare() -> Run:
-        if error is not None:
-            raise InvalidRequestError(error)
+        if inp is None:  # undecodable data: fails in order (decode's message)
+            raise InvalidRequestError(error or "forward_backward_input: missing")
         n_tokens = sum(len(d.tokens) for d in inp.data)
         # Over the rate: 429 + retry-after (the SDK resends this seq_id); a request that can
         # never fit is a QuotaExceededError, which fails this seq_id in order.

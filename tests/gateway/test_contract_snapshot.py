@@ -1,6 +1,7 @@
 """Contract test of the Tinker surface: the routes, their request schemas and their JSON response
-schemas (the 200 answer) are snapshotted in tests/gateway/contract/tinker_api.json, and every `/api/v1/...` route the installed tinker SDK
-names in its source is either served or listed in UNSUPPORTED with the reason.
+schemas (the 200 answer) are snapshotted in tests/gateway/contract/tinker_api.json, and every
+`/api/v1/...` route the installed tinker SDK names in its source is either served or listed in
+UNSUPPORTED with the reason.
 
 On an intended change, regenerate the snapshot and review its diff:
 
