@@ -4,9 +4,11 @@
 * A POST/PUT/DELETE with ``X-Idempotency-Key`` that already succeeded (2xx) for the same caller,
   method and path is answered with the stored response (``x-idempotent-replay: true``) instead of
   running again; the same key with a different body is a 409. A duplicate that arrives while the
-  first is still running waits for it. The SDK keeps one key across the HTTP-level retries of a
-  call (and `copy_weights` fixes its key across every retry), so a retry after a lost response never
-  runs twice. Polls (retrieve_future), heartbeats and telemetry are not cached.
+  first is still running waits for it, in this replica or another: the first copy claims the key
+  with a set-if-absent in the shared KV (Redis ``SET NX``) before it runs. The SDK keeps one key
+  across the HTTP-level retries of a call (and `copy_weights` fixes its key across every retry), so
+  a retry after a lost response never runs twice. Polls (retrieve_future), heartbeats and
+  telemetry are not cached.
 * Tinker SDK versions (``X-Stainless-Package-Version`` or the ``User-Agent``) below
   ``sdk_deprecated_below`` get ``x-deprecation-level: warning`` and a note, below
   ``sdk_unsupported_below`` ``error``; the SDK logs both.
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import re
@@ -29,6 +32,11 @@ from gateway.errors import _REQUEST_ID_RE
 from gateway.futures.kv import KV
 
 IDEMPOTENCY_TTL_S = 24 * 3600.0
+#: a duplicate waits this long for the first copy; its claim marker expires after it too, so a
+#: replica that died mid-request blocks the key no longer than this
+IDEMPOTENCY_WAIT_S = 120.0
+#: how often a duplicate polls for a first copy running in another replica
+_CLAIM_POLL_S = 0.05
 _NOT_CACHED = ("/retrieve_future", "/session_heartbeat", "/telemetry", "/retrieve_futures")
 _MAX_CACHED_BODY = 1 << 20
 _UA_RE = re.compile(r"Tinker/Python\s+(\d+(?:\.\d+)*)", re.I)
@@ -143,21 +151,9 @@ class GatewayMiddleware:
         )
         body_hash = hashlib.sha256(body).hexdigest()
 
-        for _ in range(2):
-            cached = await kv.get(cache_key)
-            if cached is not None:
-                await self._replay(
-                    send, json.loads(cached), body_hash, scope["state"]["request_id"]
-                )
-                return
-            waiter = self._inflight.get(cache_key)
-            if waiter is None:
-                break
-            try:  # the first copy of this request is still running here: wait for its answer
-                await asyncio.wait_for(waiter.wait(), timeout=120)
-            except TimeoutError:
-                break
-
+        claimed = await self._claim(kv, cache_key, body_hash, send, scope["state"]["request_id"])
+        if not claimed:
+            return  # answered: a replay of the first copy's response, or a 409
         sent = False
 
         async def replay_body() -> Message:
@@ -183,8 +179,7 @@ class GatewayMiddleware:
                 chunks.append(message.get("body", b""))
             await send(message)
 
-        event = asyncio.Event()
-        self._inflight[cache_key] = event
+        stored = False
         try:
             await self.app(scope, replay_body, capture)
             out = b"".join(chunks)
@@ -195,10 +190,44 @@ class GatewayMiddleware:
                     "body": out.decode("latin-1"),
                     "body_hash": body_hash,
                 }
+                # A plain set: this request holds the key's claim marker and replaces it.
                 await kv.set(cache_key, json.dumps(record).encode(), IDEMPOTENCY_TTL_S)
+                stored = True
         finally:
-            event.set()
-            self._inflight.pop(cache_key, None)
+            if not stored:  # not cached (an error, or too big): the next copy runs again
+                with contextlib.suppress(Exception):
+                    await kv.delete(cache_key)
+            event = self._inflight.pop(cache_key, None)
+            if event is not None:
+                event.set()
+
+    async def _claim(
+        self, kv: KV, cache_key: str, body_hash: str, send: Send, request_id: str
+    ) -> bool:
+        """Claim ``cache_key`` for this copy of the request (True: run it), or answer it from the
+        first copy (False). The claim is the KV's set-if-absent of a pending marker, so it is
+        atomic across gateway replicas sharing Redis; a copy that finds the marker waits (on an
+        event in this replica, by polling across replicas) until the record or a release."""
+        marker = json.dumps({"pending": True, "body_hash": body_hash}).encode()
+        while True:
+            if await kv.set(cache_key, marker, IDEMPOTENCY_WAIT_S, only_new=True):
+                self._inflight[cache_key] = asyncio.Event()
+                return True
+            cached = await kv.get(cache_key)
+            if cached is None:
+                continue  # released (the first copy failed) between the two calls: claim again
+            record = json.loads(cached)
+            if not record.get("pending") or record["body_hash"] != body_hash:
+                await self._replay(send, record, body_hash, request_id)
+                return False
+            # Still running. The marker expires after IDEMPOTENCY_WAIT_S, so this ends even if
+            # the first copy's replica died.
+            waiter = self._inflight.get(cache_key)
+            if waiter is None:  # the first copy runs in another replica: poll
+                await asyncio.sleep(_CLAIM_POLL_S)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter.wait(), IDEMPOTENCY_WAIT_S)
 
     @staticmethod
     async def _replay(send: Send, record: dict, body_hash: str, request_id: str) -> None:

@@ -4,7 +4,11 @@ Owns: creating futures, running their engine coroutine, keeping the result (JSON
 bytes) or the error until it is retrieved or expires, long-polling, expiry (an expired future
 answers 410, not 404, for a day after it expired), and idempotency: a retried submit with the same
 (model_id, seq_id) or (sampling_session_id, seq_id) returns the original future, and the same key
-with a different payload (its fingerprint) is a 409.
+with a different payload (its fingerprint) is a 409. A key is *claimed* before anything is charged
+or submitted (`claim`): in this replica under the event loop (no await between the check and the
+claim), across replicas with the KV's ``set(only_new=True)`` (Redis ``SET NX``); a second claimant
+waits for the first one's future id instead of racing it. The record and claim types are in
+`gateway.futures.record`.
 
 Records live in this replica's memory (the coroutine and the long-poll event are local); when a
 shared KV (Redis) is configured, records (pending and finished), expiry tombstones and the
@@ -15,27 +19,25 @@ Takeover: each replica holds a lease key in the KV. A pending record whose owner
 (the replica died or restarted) is taken over by the first replica asked about it: if the record
 carries a *job* (a JSON description of its engine call, see `gateway.tinker_api.jobs`), the new
 replica runs the job again, and the Trainer answers a repeated (model_id, seq_id) with the first
-execution's result (engine/scheduling/exactly_once.py), so nothing runs twice. A record without a job (sampling,
-saves) becomes expired: 410, which makes the SDK resubmit a sample.
+execution's result (engine/scheduling/exactly_once.py), so nothing runs twice. A record without a
+job (sampling, saves) becomes expired: 410, which makes the SDK resubmit a sample.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import EngineError
-from gateway.errors import ConflictError
 from gateway.futures.kv import KV, MemoryKV
+from gateway.futures.record import Claim, FutureRecord, Result, conflict, fingerprint
+
+__all__ = ["Claim", "FutureRecord", "FutureStore", "Result", "fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -47,83 +49,12 @@ TOMBSTONE_TTL_S = 86400.0
 PENDING_TTL_S = 86400.0
 #: a replica's lease; a pending record whose owner's lease lapsed is taken over
 LEASE_TTL_S = 5.0
-
-
-def fingerprint(payload: bytes | str | dict | None) -> str | None:
-    """A stable digest of a request payload (dicts are serialised with sorted keys)."""
-    if payload is None:
-        return None
-    if isinstance(payload, dict):
-        payload = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
-    if isinstance(payload, str):
-        payload = payload.encode()
-    return hashlib.sha256(payload).hexdigest()
-
-
-@dataclass
-class FutureRecord:
-    request_id: str
-    user_id: int
-    kind: str
-    created: float = field(default_factory=time.monotonic)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    finished_at: float | None = None
-    json_result: dict[str, Any] | None = None
-    proto_result: bytes | None = None
-    error: str | None = None
-    category: str = "server"
-    idem_key: tuple[str, int] | None = None
-    fingerprint: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    owner: str | None = None
-    job: list | None = None
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "request_id": self.request_id,
-                "user_id": self.user_id,
-                "kind": self.kind,
-                "finished": self.done.is_set(),
-                "json_result": self.json_result,
-                "proto_result": None
-                if self.proto_result is None
-                else base64.b64encode(self.proto_result).decode(),
-                "error": self.error,
-                "category": self.category,
-                "idem_key": list(self.idem_key) if self.idem_key else None,
-                "fingerprint": self.fingerprint,
-                "extra": self.extra,
-                "owner": self.owner,
-                "job": self.job,
-            }
-        ).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes) -> FutureRecord:
-        d = json.loads(raw)
-        rec = cls(
-            request_id=d["request_id"],
-            user_id=int(d["user_id"]),
-            kind=d["kind"],
-            json_result=d["json_result"],
-            proto_result=None if d["proto_result"] is None else base64.b64decode(d["proto_result"]),
-            error=d["error"],
-            category=d["category"],
-            idem_key=tuple(d["idem_key"]) if d["idem_key"] else None,  # type: ignore[arg-type]
-            fingerprint=d["fingerprint"],
-            extra=d.get("extra") or {},
-            owner=d.get("owner"),
-            job=d.get("job"),
-        )
-        if d["finished"]:
-            rec.finished_at = time.monotonic()
-            rec.done.set()
-        return rec
-
-
-#: the coroutine's return: ("json", dict) or ("proto", bytes)
-Result = tuple[str, Any]
+#: an idempotency claim not yet turned into a future. Claim → submit takes a DB write and a quota
+#: charge (milliseconds); a replica that dies in between blocks the key for at most this long.
+CLAIM_TTL_S = 60.0
+#: how often a claimant polls the shared KV for another replica's claim to become a future
+CLAIM_POLL_S = 0.02
+_CLAIM_PREFIX = b"claim:"
 
 
 class FutureStore:
@@ -133,6 +64,7 @@ class FutureStore:
         """``shared``: ``kv`` is visible to other replicas (Redis), so mirror records into it."""
         self._futures: dict[str, FutureRecord] = {}
         self._by_idem: dict[tuple[str, int], str] = {}
+        self._claims: dict[tuple[str, int], Claim] = {}
         self._tasks: set[asyncio.Task] = set()
         self._kv = kv or MemoryKV()
         self._shared = shared
@@ -205,16 +137,71 @@ class FutureStore:
         rec = self._futures.get(rid) if rid else None
         if rec is None and self._shared:
             raw_rid = await self._kv.get(self._idem_kv(key))
-            if raw_rid is not None:
+            if raw_rid is not None and not raw_rid.startswith(_CLAIM_PREFIX):
                 rec = await self._load(raw_rid.decode())
         if rec is None:
             return None
         if fp is not None and rec.fingerprint is not None and fp != rec.fingerprint:
-            raise ConflictError(
-                f"seq_id: {key[1]} of {key[0]} was already used by a different request; "
-                "a retry must resend the same request (use the next seq_id for a new one)"
-            )
+            raise conflict(key)
         return rec
+
+    async def claim(self, key: tuple[str, int], fp: str | None) -> FutureRecord | Claim:
+        """The future already submitted under ``key`` (same payload; another payload is a 409), or
+        a `Claim`: the caller alone may now charge and `submit(claim=...)`, or must `release` it.
+
+        A claimant that finds the key claimed but not yet submitted waits for that future id (or
+        for a release, then claims again) rather than racing it."""
+        while True:
+            rec = await self.lookup_idempotent(key, fp)
+            if rec is not None:
+                return rec
+            held = self._claims.get(key)
+            if held is not None:  # claimed in this replica: wait for its future id or release
+                if fp is not None and held.fp is not None and fp != held.fp:
+                    raise conflict(key)
+                await asyncio.shield(held.settled)
+                continue
+            # No await since the lookup above: check-and-claim is atomic within this replica.
+            mine = Claim(key, fp)
+            self._claims[key] = mine
+            if not self._shared:
+                return mine
+            marker = _CLAIM_PREFIX + (fp or "").encode()
+            try:
+                won = await self._kv.set(self._idem_kv(key), marker, CLAIM_TTL_S, only_new=True)
+            except BaseException:
+                self._settle(mine, None)
+                raise
+            if won:
+                return mine
+            self._settle(mine, None)  # another replica holds the key: wait for it, then look again
+            await self._await_remote_claim(key, fp)
+
+    async def _await_remote_claim(self, key: tuple[str, int], fp: str | None) -> None:
+        """Poll the shared KV until another replica's claim on ``key`` becomes a future id or goes
+        away (released, or expired after CLAIM_TTL_S)."""
+        while True:
+            raw = await self._kv.get(self._idem_kv(key))
+            if raw is None or not raw.startswith(_CLAIM_PREFIX):
+                return
+            theirs = raw[len(_CLAIM_PREFIX) :].decode()
+            if fp is not None and theirs and theirs != fp:
+                raise conflict(key)
+            await asyncio.sleep(CLAIM_POLL_S)
+
+    async def release(self, claim: Claim) -> None:
+        """Give a claim up without a future (the request failed before submit, e.g. a 429): the
+        next retry of the key claims it afresh."""
+        self._settle(claim, None)
+        if self._shared:
+            with contextlib.suppress(Exception):  # else the marker expires after CLAIM_TTL_S
+                await self._kv.delete(self._idem_kv(claim.key))
+
+    def _settle(self, claim: Claim, request_id: str | None) -> None:
+        if self._claims.get(claim.key) is claim:
+            del self._claims[claim.key]
+        if not claim.settled.done():
+            claim.settled.set_result(request_id)
 
     @staticmethod
     def _idem_kv(key: tuple[str, int]) -> str:
@@ -259,9 +246,13 @@ class FutureStore:
         idem_key: tuple[str, int] | None = None,
         extra: dict[str, Any] | None = None,
         fp: str | None = None,
+        claim: Claim | None = None,
     ) -> FutureRecord:
-        """Create a future and start ``run`` in the background."""
+        """Create a future and start ``run`` in the background. With ``claim`` (from `claim`), the
+        future is the one of the claimed key."""
         self._expire()
+        if claim is not None:
+            idem_key, fp = claim.key, claim.fp
         rec = FutureRecord(
             request_id=f"req-{uuid.uuid4().hex}",
             user_id=user_id,
@@ -275,6 +266,8 @@ class FutureStore:
         self._futures[rec.request_id] = rec
         if idem_key is not None:
             self._by_idem[idem_key] = rec.request_id
+        if claim is not None:
+            self._settle(claim, rec.request_id)
         self._start(rec, run)
         return rec
 
@@ -290,6 +283,8 @@ class FutureStore:
             ttl = self.result_ttl_s if rec.done.is_set() else PENDING_TTL_S
             await self._kv.set(f"fut:{rec.request_id}", rec.to_bytes(), ttl)
             if rec.idem_key is not None:
+                # A plain set: this replica claimed the key (`claim`), so it overwrites its own
+                # claim marker with the future id (record first, so a reader finds it).
                 await self._kv.set(self._idem_kv(rec.idem_key), rec.request_id.encode(), ttl)
             if rec.done.is_set():
                 await self._kv.set(

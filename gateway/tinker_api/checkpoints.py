@@ -30,21 +30,27 @@ from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import ParsedPath, new_storage_dir, parse_path, readable_checkpoint
 from gateway.tinker_api.runs import checkpoint_json
-from gateway.tinker_api.schemas import _Req
+from gateway.tinker_api.schemas import (
+    Checkpoint,
+    CopyWeightsResponse,
+    WeightsInfoResponse,
+    WireRequest,
+    returns,
+)
 
 router = APIRouter(prefix="/api/v1")
 MAX_TTL_S = 10 * 365 * 86400
 
 
-class TtlRequest(_Req):
+class TtlRequest(WireRequest):
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
 
 
-class WeightsInfoRequest(_Req):
+class WeightsInfoRequest(WireRequest):
     tinker_path: str
 
 
-class CopyWeightsRequest(_Req):
+class CopyWeightsRequest(WireRequest):
     source_path: str
     destination_project_id: str | None = Field(None, max_length=128)
     session_id: str | None = None
@@ -66,8 +72,11 @@ def owned_checkpoint(db, who, run_id: str, checkpoint_id: str) -> CheckpointRow:
     return row
 
 
-@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+@router.post(
+    "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", **returns(Checkpoint)
+)
 async def publish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep) -> dict:
+    """Make one of your checkpoints readable by every user (RestClient.publish_checkpoint)."""
     row = owned_checkpoint(db, who, run_id, checkpoint_id)
     row.public = True
     db.add(row)
@@ -76,8 +85,11 @@ async def publish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep)
     return checkpoint_json(row)
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+@router.delete(
+    "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", **returns(Checkpoint)
+)
 async def unpublish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep) -> dict:
+    """Make a published checkpoint private again."""
     row = owned_checkpoint(db, who, run_id, checkpoint_id)
     row.public = False
     db.add(row)
@@ -86,10 +98,11 @@ async def unpublish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDe
     return checkpoint_json(row)
 
 
-@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", **returns(Checkpoint))
 async def set_ttl(
     run_id: str, checkpoint_id: str, req: TtlRequest, who: PrincipalDep, db: DbDep
 ) -> dict:
+    """Set (or clear, with null) a checkpoint's time to live, counted from now."""
     row = owned_checkpoint(db, who, run_id, checkpoint_id)
     row.expires_at = (
         None if req.ttl_seconds is None else utcnow() + timedelta(seconds=req.ttl_seconds)
@@ -100,8 +113,9 @@ async def set_ttl(
     return checkpoint_json(row)
 
 
-@router.post("/weights_info")
+@router.post("/weights_info", **returns(WeightsInfoResponse))
 async def weights_info(req: WeightsInfoRequest, who: PrincipalDep, db: DbDep) -> dict:
+    """The base model and LoRA shape of a readable checkpoint path."""
     row = readable_checkpoint(db, who.user_id, req.tinker_path, "tinker_path")
     run = db.get(TrainingRunRow, row.run_id)
     if run is None:
@@ -129,7 +143,7 @@ def _link_tree(src: Path, dst: Path) -> None:
     os.rename(tmp, dst)
 
 
-@router.post("/copy_weights")
+@router.post("/copy_weights", **returns(CopyWeightsResponse))
 async def copy_weights(
     req: CopyWeightsRequest,
     who: PrincipalDep,
@@ -137,36 +151,14 @@ async def copy_weights(
     settings: SettingsDep,
     quotas: QuotasDep,
 ) -> dict:
+    """Copy a readable checkpoint into one of your runs (hard links; quotas apply)."""
     src = readable_checkpoint(db, who.user_id, req.source_path, "source_path")
     if src.ephemeral:
         raise InvalidRequestError("source_path: ephemeral sampler weights cannot be copied")
     source_run = db.get(TrainingRunRow, src.run_id)
     if source_run is None:
         raise NotFoundError(f"source_path: {req.source_path} not found")
-    if req.session_id is not None:
-        if req.model_seq_id is None:
-            raise InvalidRequestError("model_seq_id: required together with session_id")
-        session = owned_session(db, who, req.session_id)
-        run_id = f"{session.id}:train:{req.model_seq_id}"
-        if db.get(TrainingRunRow, run_id) is not None:
-            raise InvalidRequestError(f"model_seq_id: run {run_id} already exists in this session")
-    elif req.destination_project_id:
-        # A session of its own, already finished: it only owns the copy (never heartbeats).
-        session = SessionRow(
-            id=f"sess-{uuid.uuid4().hex[:16]}",
-            user_id=who.user_id,
-            project_id=req.destination_project_id,
-            display_name=f"copy of {parse_path(req.source_path, 'source_path').tinker_path}",
-            finished_at=utcnow(),
-            finish_reason="copy",
-        )
-        db.add(session)
-        db.flush()
-        run_id = f"{session.id}:train:0"
-    else:
-        raise InvalidRequestError(
-            "destination_project_id: give a destination project, or session_id and model_seq_id"
-        )
+    session, run_id = _copy_destination(db, who, req)
     db.add(
         TrainingRunRow(
             id=run_id,
@@ -182,10 +174,49 @@ async def copy_weights(
         )
     )
     db.flush()  # the run row first: the checkpoint row's foreign key points at it
+    target = await _copy_checkpoint(
+        db, who, quotas, settings.data_dir, src, run_id, req.ttl_seconds
+    )
+    return {"tinker_path": target.tinker_path}
+
+
+def _copy_destination(db, who, req: CopyWeightsRequest) -> tuple[SessionRow, str]:
+    """(session, run id) of the copy: the given session slot, or run 0 of a new session in the
+    destination project."""
+    if req.session_id is not None:
+        if req.model_seq_id is None:
+            raise InvalidRequestError("model_seq_id: required together with session_id")
+        session = owned_session(db, who, req.session_id)
+        run_id = f"{session.id}:train:{req.model_seq_id}"
+        if db.get(TrainingRunRow, run_id) is not None:
+            raise InvalidRequestError(f"model_seq_id: run {run_id} already exists in this session")
+        return session, run_id
+    if not req.destination_project_id:
+        raise InvalidRequestError(
+            "destination_project_id: give a destination project, or session_id and model_seq_id"
+        )
+    # A session of its own, already finished: it only owns the copy (never heartbeats).
+    session = SessionRow(
+        id=f"sess-{uuid.uuid4().hex[:16]}",
+        user_id=who.user_id,
+        project_id=req.destination_project_id,
+        display_name=f"copy of {parse_path(req.source_path, 'source_path').tinker_path}",
+        finished_at=utcnow(),
+        finish_reason="copy",
+    )
+    db.add(session)
+    db.flush()
+    return session, f"{session.id}:train:0"
+
+
+async def _copy_checkpoint(
+    db, who, quotas, data_dir: Path, src: CheckpointRow, run_id: str, ttl_seconds: int | None
+) -> ParsedPath:
+    """Hard-link ``src`` into run ``run_id`` and record it. A copy is a checkpoint of the
+    caller's: it counts toward their count and bytes caps (403)."""
     target = ParsedPath(run_id, src.kind, src.name)
-    # a copy is a checkpoint of the caller's: it counts toward their count and bytes caps (403)
     await quotas.reserve_checkpoint(who, target.tinker_path, int(src.size_bytes or 0), db)
-    directory = new_storage_dir(settings.data_dir, who.user_id, target)
+    directory = new_storage_dir(data_dir, who.user_id, target)
     _link_tree(Path(src.storage_dir), directory)
     db.add(
         CheckpointRow(
@@ -197,11 +228,9 @@ async def copy_weights(
             storage_dir=str(directory),
             size_bytes=src.size_bytes,
             user_metadata=dict(src.user_metadata or {}),
-            expires_at=None
-            if req.ttl_seconds is None
-            else utcnow() + timedelta(seconds=req.ttl_seconds),
+            expires_at=None if ttl_seconds is None else utcnow() + timedelta(seconds=ttl_seconds),
         )
     )
     db.commit()
     await quotas.commit_checkpoint(who.user_id, who.org_id, target.tinker_path, src.size_bytes)
-    return {"tinker_path": target.tinker_path}
+    return target

@@ -19,38 +19,34 @@ from pydantic import Field, ValidationError
 from gateway.deps import DbDep, EngineDep, FuturesDep, PrincipalDep, owned_run
 from gateway.errors import InvalidRequestError
 from gateway.errors import format_validation_errors as _format  # one wording for 400s
-from gateway.tinker_api.schemas import _Req
+from gateway.tinker_api.schemas import FutureResponse, ModelInputWire, WireRequest, returns
 from gateway.tinker_api.wire_pb import pb
 
 router = APIRouter(prefix="/api/v1")
 
 
-class UnloadModelRequest(_Req):
+class UnloadModelRequest(WireRequest):
     model_id: str
 
 
-class TensorWire(_Req):
+class TensorWire(WireRequest):
     data: list[float]
     dtype: Literal["int64", "float32"]
     shape: list[int] | None = None
 
 
-class ModelInputWire(_Req):
-    chunks: list[dict[str, Any]]
-
-
-class DatumWire(_Req):
+class DatumWire(WireRequest):
     model_input: ModelInputWire
     loss_fn_inputs: dict[str, TensorWire] = Field(default_factory=dict)
 
 
-class ForwardBackwardInputWire(_Req):
+class ForwardBackwardInputWire(WireRequest):
     data: list[DatumWire]
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float | str] | None = None
 
 
-class ForwardBackwardRequestWire(_Req):
+class ForwardBackwardRequestWire(WireRequest):
     forward_backward_input: ForwardBackwardInputWire
     model_id: str
     seq_id: int | None = None
@@ -162,7 +158,7 @@ def wants_protobuf(request: Request) -> bool:
     return "application/x-protobuf" in accept or "application/json" not in accept
 
 
-@router.post("/unload_model")
+@router.post("/unload_model", **returns(FutureResponse))
 async def unload_model(
     req: UnloadModelRequest, who: PrincipalDep, db: DbDep, engine: EngineDep, futures: FuturesDep
 ) -> dict:

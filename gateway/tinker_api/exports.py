@@ -22,18 +22,9 @@ from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
-from pydantic import Field
 
 from gateway.db.tables import CheckpointRow, utcnow
-from gateway.deps import (
-    ConfigDep,
-    DbDep,
-    EngineDep,
-    FuturesDep,
-    PrincipalDep,
-    SettingsDep,
-    owned_run,
-)
+from gateway.deps import ConfigDep, DbDep, PrincipalDep, SettingsDep, owned_run
 from gateway.errors import (
     GoneError,
     InvalidRequestError,
@@ -41,23 +32,19 @@ from gateway.errors import (
     PermissionDeniedError,
 )
 from gateway.futures.store import fingerprint
-from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import validate_name
-from gateway.tinker_api.saves import _save_future
-from gateway.tinker_api.schemas import _Req
-from gateway.tinker_api.training import _touch, future_json, reject_in_order
+from gateway.tinker_api.saves import SaveSpec, prepare_save
+from gateway.tinker_api.schemas import (
+    ExternalWeightsUrlsResponse,
+    FutureResponse,
+    SaveWeightsExternalRequest,
+    returns,
+)
+from gateway.tinker_api.sequenced import Run, TinkerDep, future_json, submit_sequenced
 
 router = APIRouter(prefix="/api/v1")
 EXPORT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 SIGNING_KEY_ENV = "TWINKLE_URL_SIGNING_KEY"
-
-
-class SaveWeightsExternalRequest(_Req):
-    model_id: str
-    path: str
-    seq_id: int = Field(ge=1)
-    ttl_seconds: int | None = Field(None, ge=1)
-    age_encryption_recipients: list[str] | None = None
 
 
 def signing_key(data_dir: Path) -> bytes:
@@ -85,55 +72,29 @@ def _signature(key: bytes, row: CheckpointRow, filename: str, expires: int) -> s
     return hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
 
 
-@router.post("/save_weights_external")
-async def save_weights_external(
-    req: SaveWeightsExternalRequest,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    futures: FuturesDep,
-    settings: SettingsDep,
-    quotas: QuotasDep,
-    request: Request,
-) -> dict:
+@router.post("/save_weights_external", **returns(FutureResponse))
+async def save_weights_external(req: SaveWeightsExternalRequest, t: TinkerDep) -> dict:
+    """Export the adapter in PEFT format under external_weights/<path>, in seq_id order."""
     fp = fingerprint(req.model_dump(mode="json"))
-    run = owned_run(db, who, req.model_id, live=True)
-    if (prev := await futures.lookup_idempotent((run.id, req.seq_id), fp)) is not None:
-        return future_json(prev, run.id)
-    _touch(db, run)
-    problem = None
-    if req.age_encryption_recipients:
-        problem = "age_encryption_recipients: encrypted exports are not supported by this server"
-    else:
-        try:
-            validate_name(req.path, "path")
-        except InvalidRequestError as exc:
-            problem = str(exc)
-    if problem is not None:
-        rec = reject_in_order(futures, engine, who, run, req.seq_id, problem, kind="save", fp=fp)
-        return future_json(rec, run.id)
-    rec = await _save_future(
-        who=who,
-        quotas=quotas,
-        usage_ledger=request.app.state.usage,
-        db=db,
-        engine=engine,
-        futures=futures,
-        settings=settings,
-        run=run,
-        seq_id=req.seq_id,
-        kind="external",
-        name=req.path,
-        overwrite=True,
-        ttl_seconds=req.ttl_seconds,
-        user_metadata=None,
-        include_optimizer=False,
-        fp=fp,
-    )
+    run = owned_run(t.db, t.who, req.model_id, live=True)
+
+    async def prepare() -> Run:
+        if req.age_encryption_recipients:
+            raise InvalidRequestError(
+                "age_encryption_recipients: encrypted exports are not supported by this server"
+            )
+        validate_name(req.path, "path")
+        spec = SaveSpec("external", req.path, True, req.ttl_seconds, None, False)
+        return await prepare_save(t, run, req.seq_id, spec)
+
+    rec = await submit_sequenced(t, run, req.seq_id, fp, "save", prepare)
     return future_json(rec, run.id)
 
 
-@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+@router.get(
+    "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls",
+    **returns(ExternalWeightsUrlsResponse),
+)
 async def external_weights_urls(
     run_id: str,
     checkpoint_id: str,
@@ -143,6 +104,7 @@ async def external_weights_urls(
     settings: SettingsDep,
     config: ConfigDep,
 ) -> dict:
+    """Signed download URLs of an export's files (no API key needed until they expire)."""
     from gateway.tinker_api.checkpoints import visible_checkpoint
 
     row = visible_checkpoint(db, who, run_id, checkpoint_id)

@@ -12,7 +12,9 @@ import asyncio
 from fastapi import APIRouter, Request, Response
 
 from gateway.deps import ConfigDep, EngineDep, FuturesDep, PrincipalDep
+from gateway.engine_client import EngineClient
 from gateway.errors import GoneError, NotFoundError
+from gateway.futures.store import FutureRecord
 from gateway.tinker_api import compat
 from gateway.tinker_api.schemas import RetrieveFutureRequest
 
@@ -28,6 +30,7 @@ async def retrieve_future(
     config: ConfigDep,
     engine: EngineDep,
 ) -> Response | dict:
+    """Long-poll a future: try_again, its error, its metadata, or its JSON / protobuf result."""
     found = await futures.find(req.request_id, who.user_id)
     if found == "expired":
         raise GoneError(
@@ -39,22 +42,7 @@ async def retrieve_future(
     rec = found
     done = await futures.wait(rec, config.long_poll_seconds)
     if done is None:
-        state, reason = "active", f"{rec.kind} is queued or running"
-        base = rec.extra.get("base_model")
-        if base and rec.idem_key is not None:
-            try:
-                status = await asyncio.wait_for(
-                    engine.trainer(base, "status", rec.idem_key[0], rec.idem_key[1]), timeout=2
-                )
-                state, reason = status["queue_state"], f"{rec.kind}: {status['reason']}"
-            except Exception:  # status is best effort; the poll itself must not fail
-                pass
-        return {
-            "type": "try_again",
-            "request_id": rec.request_id,
-            "queue_state": state,
-            "queue_state_reason": reason,
-        }
+        return await _try_again(rec, engine)
     rec = done
     if rec.error is not None:
         return {"error": rec.error, "category": rec.category}
@@ -66,3 +54,23 @@ async def retrieve_future(
     if rec.proto_result is not None:
         return Response(content=rec.proto_result, media_type="application/x-protobuf")
     return rec.json_result or {}
+
+
+async def _try_again(rec: FutureRecord, engine: EngineClient) -> dict:
+    """The answer for a future still running: where it stands in its Trainer queue, if known."""
+    state, reason = "active", f"{rec.kind} is queued or running"
+    base = rec.extra.get("base_model")
+    if base and rec.idem_key is not None:
+        try:
+            status = await asyncio.wait_for(
+                engine.trainer(base, "status", rec.idem_key[0], rec.idem_key[1]), timeout=2
+            )
+            state, reason = status["queue_state"], f"{rec.kind}: {status['reason']}"
+        except Exception:  # status is best effort; the poll itself must not fail
+            pass
+    return {
+        "type": "try_again",
+        "request_id": rec.request_id,
+        "queue_state": state,
+        "queue_state_reason": reason,
+    }

@@ -17,6 +17,13 @@ from gateway.errors import NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import SEGMENT_OF_KIND, delete_checkpoint, parse_path
 from gateway.runs.expiry import purge_expired_checkpoints
+from gateway.tinker_api.schemas import (
+    CheckpointsListResponse,
+    DeleteCheckpointResponse,
+    TrainingRun,
+    TrainingRunsResponse,
+    returns,
+)
 
 Scope = Literal["owned", "accessible"]
 
@@ -52,7 +59,7 @@ def _runs_where(user_id: int, access_scope: str):
     if access_scope == "owned":
         return owned
     public_runs = select(CheckpointRow.run_id).where(
-        CheckpointRow.public == True,
+        CheckpointRow.public == True,  # noqa: E712  # SQL, not a truth test
         CheckpointRow.ephemeral == False,  # noqa: E712
     )
     return owned | col(TrainingRunRow.id).in_(public_runs)
@@ -88,7 +95,7 @@ def run_json(
     }
 
 
-@router.get("/training_runs")
+@router.get("/training_runs", **returns(TrainingRunsResponse))
 async def list_training_runs(
     who: PrincipalDep,
     db: DbDep,
@@ -97,6 +104,7 @@ async def list_training_runs(
     access_scope: Scope = "owned",
     project_id: str | None = None,
 ) -> dict:
+    """Your training runs (or, scope accessible, also runs with a published checkpoint)."""
     purge_expired_checkpoints(db)
     where = _runs_where(who.user_id, access_scope)
     if project_id is not None:
@@ -133,7 +141,7 @@ def visible_run(db, who, run_id: str, access_scope: str = "accessible") -> Train
     return run
 
 
-@router.get("/training_runs/{run_id}/checkpoints")
+@router.get("/training_runs/{run_id}/checkpoints", **returns(CheckpointsListResponse))
 async def list_run_checkpoints(
     run_id: str,
     who: PrincipalDep,
@@ -141,6 +149,7 @@ async def list_run_checkpoints(
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,  # plain defaults: the native API
     offset: Annotated[int, Query(ge=0)] = 0,  # (gateway/twinkle_api) calls this directly
 ) -> dict:
+    """The checkpoints of a training run you can see, oldest first."""
     purge_expired_checkpoints(db)
     visible_run(db, who, run_id)
     where = (CheckpointRow.run_id == run_id) & _visible(who.user_id)
@@ -158,7 +167,7 @@ async def list_run_checkpoints(
     }
 
 
-@router.get("/training_runs/{run_id:path}")
+@router.get("/training_runs/{run_id:path}", **returns(TrainingRun))
 async def get_training_run(
     run_id: str, who: PrincipalDep, db: DbDep, access_scope: Scope = "owned"
 ) -> dict:
@@ -167,13 +176,14 @@ async def get_training_run(
     return run_json(db, visible_run(db, who, run_id, access_scope), viewer=who.user_id)
 
 
-@router.get("/checkpoints")
+@router.get("/checkpoints", **returns(CheckpointsListResponse))
 async def list_user_checkpoints(
     who: PrincipalDep,
     db: DbDep,
     limit: int = Query(100, ge=1, le=1000),
     offset: int = Query(0, ge=0),
 ) -> dict:
+    """All your kept checkpoints, newest first."""
     purge_expired_checkpoints(db)
     where = (CheckpointRow.user_id == who.user_id) & (CheckpointRow.ephemeral == False)  # noqa: E712
     total = db.exec(select(func.count()).select_from(CheckpointRow).where(where)).one()
@@ -190,10 +200,13 @@ async def list_user_checkpoints(
     }
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+@router.delete(
+    "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", **returns(DeleteCheckpointResponse)
+)
 async def delete_run_checkpoint(
     run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep, quotas: QuotasDep
 ) -> dict:
+    """Delete one of your checkpoints and its files."""
     owned_run(db, who, run_id)
     parsed = parse_path(f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
     row = db.exec(

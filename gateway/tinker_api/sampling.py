@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from engine.protocol import SampleInput, SamplingParams
 from gateway.db.tables import SamplingSessionRow, TrainingRunRow
-from gateway.deps import (
-    ConfigDep,
-    DbDep,
-    EngineDep,
-    FuturesDep,
-    PrincipalDep,
-    owned_sampler,
-    owned_session,
-)
+from gateway.deps import ConfigDep, DbDep, PrincipalDep, owned_sampler, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.futures.store import fingerprint
-from gateway.quotas.concurrency import SamplingLimiterDep
+from gateway.quotas.concurrency import SamplingLimiter, SamplingLimiterDep
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.tinker_api.proto_codec import encode_sample_output, target_ids_from_wire
-from gateway.tinker_api.schemas import CreateSamplingSessionRequest, SampleRequest
+from gateway.tinker_api.schemas import (
+    CreateSamplingSessionRequest,
+    CreateSamplingSessionResponse,
+    GetSamplerResponse,
+    SampleFutureResponse,
+    SampleRequest,
+    returns,
+)
+from gateway.tinker_api.sequenced import Prepared, Run, Tinker, TinkerDep, submit_once
 
 router = APIRouter(prefix="/api/v1")
 DEFAULT_MAX_TOKENS = 128
@@ -38,15 +38,17 @@ def _resolve_target(db, who, config, base_model: str | None, model_path: str | N
         raise InvalidRequestError("base_model or model_path: one is required")
     if config.model(base_model) is None:
         raise InvalidRequestError(
-            f"base_model: {base_model!r} is not served here; available: {[m.name for m in config.models]}"
+            f"base_model: {base_model!r} is not served here; available: "
+            f"{[m.name for m in config.models]}"
         )
     return base_model, None, None
 
 
-@router.post("/create_sampling_session")
+@router.post("/create_sampling_session", **returns(CreateSamplingSessionResponse))
 async def create_sampling_session(
     req: CreateSamplingSessionRequest, who: PrincipalDep, db: DbDep, config: ConfigDep
 ) -> dict:
+    """Open a sampling session on a base model or a saved checkpoint path."""
     session = owned_session(db, who, req.session_id)
     base, adapter_dir, path = _resolve_target(db, who, config, req.base_model, req.model_path)
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}"
@@ -65,8 +67,9 @@ async def create_sampling_session(
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
 
-@router.get("/samplers/{sampler_id}")
+@router.get("/samplers/{sampler_id}", **returns(GetSamplerResponse))
 async def get_sampler(sampler_id: str, who: PrincipalDep, db: DbDep) -> dict:
+    """A sampling session's base model and checkpoint path."""
     row = owned_sampler(db, who, sampler_id)
     return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
 
@@ -111,29 +114,37 @@ def _prompt_tokens(req: SampleRequest) -> list[int]:
     return tokens
 
 
-@router.post("/asample")
-async def asample(
-    req: SampleRequest,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    futures: FuturesDep,
-    config: ConfigDep,
-    limiter: SamplingLimiterDep,
-    request: Request,
-) -> dict:
+@router.post("/asample", **returns(SampleFutureResponse))
+async def asample(req: SampleRequest, t: TinkerDep, limiter: SamplingLimiterDep) -> dict:
+    """Sample from a sampling session (or a base model / checkpoint path); protobuf result."""
     if req.sampling_session_id:
-        row = owned_sampler(db, who, req.sampling_session_id)
+        row = owned_sampler(t.db, t.who, req.sampling_session_id)
         base, adapter_dir = row.base_model, row.adapter_dir
         if row.model_path and adapter_dir is None:
-            base, adapter_dir, _ = _resolve_target(db, who, config, None, row.model_path)
+            base, adapter_dir, _ = _resolve_target(t.db, t.who, t.config, None, row.model_path)
         idem = (row.id, req.seq_id) if req.seq_id is not None else None
     else:
-        base, adapter_dir, _ = _resolve_target(db, who, config, req.base_model, req.model_path)
+        base, adapter_dir, _ = _resolve_target(
+            t.db, t.who, t.config, req.base_model, req.model_path
+        )
         idem = None
     fp = fingerprint(req.model_dump(mode="json"))
-    if idem is not None and (prev := await futures.lookup_idempotent(idem, fp)) is not None:
-        return {"request_id": prev.request_id, "sample_sequence_ids": prev.extra["sequence_ids"]}
+
+    async def prepare() -> Prepared:
+        run = await _sample_run(t, limiter, req, base, adapter_dir)
+        return run, {"sequence_ids": []}
+
+    rec = await submit_once(t, idem, fp, "sample", prepare)
+    if not rec.extra["sequence_ids"]:  # a new future (a retry's record has them already)
+        rec.extra["sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(req.num_samples)]
+    return {"request_id": rec.request_id, "sample_sequence_ids": rec.extra["sequence_ids"]}
+
+
+async def _sample_run(
+    t: Tinker, limiter: SamplingLimiter, req: SampleRequest, base: str, adapter_dir: str | None
+) -> Run:
+    """Charge the token rate and take a sampling slot; the coroutine samples, records usage, and
+    gives back the slot and the unused tokens."""
     target_ids, target_csr = None, None
     if req.target_prompt_logprobs is not None:
         target_ids, target_csr = target_ids_from_wire(req.target_prompt_logprobs)
@@ -149,12 +160,11 @@ async def asample(
         prompt_alt_tokens_k=req.prompt_alt_tokens_k,
         target_prompt_ids=target_ids,
     )
-
     # Token rate: prompt + the most it may sample is charged up front (429 + retry-after when
     # over; the unused part is refunded). Then one slot of the concurrent-sampling limit from
     # submit until the future finishes; over it: 429, no future is recorded, the SDK retries.
-    quotas = limiter.quotas
-    limits = quotas.limits(who, db)
+    who, quotas, engine, ledger = t.who, limiter.quotas, t.engine, t.usage
+    limits = quotas.limits(who, t.db)
     budget = len(inp.prompt_tokens) + inp.params.max_tokens * inp.num_samples
     charged = await quotas.charge_tokens(who, "sample", budget, limits)
     try:
@@ -162,7 +172,6 @@ async def asample(
     except BaseException:
         await quotas.refund_tokens(charged, budget)
         raise
-    ledger = request.app.state.usage
     session_id = req.sampling_session_id.split(":")[0] if req.sampling_session_id else None
     # a sampling session sticks to one Sampler replica (its adapter stays cached there)
     affinity = req.sampling_session_id or adapter_dir
@@ -190,17 +199,4 @@ async def asample(
             await slot.release()
             await quotas.refund_tokens(charged, budget - used)
 
-    try:
-        rec = futures.submit(
-            user_id=who.user_id,
-            kind="sample",
-            run=run_,
-            idem_key=idem,
-            fp=fp,
-            extra={"sequence_ids": []},
-        )
-    except BaseException:
-        await slot.release()
-        raise
-    rec.extra["sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(req.num_samples)]
-    return {"request_id": rec.request_id, "sample_sequence_ids": rec.extra["sequence_ids"]}
+    return run_

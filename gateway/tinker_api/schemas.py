@@ -1,8 +1,8 @@
 """Wire schemas of the Tinker JSON endpoints (requests and responses), as tinker 0.38.0 sends them.
 
-Requests ignore unknown fields (newer SDKs add fields; refusing them would break old servers' promise
-of "existing code runs unchanged"), but every known field is type-checked and a violation is a 400
-naming the field. Responses carry every field the SDK's strict response validation requires.
+Requests ignore unknown fields (newer SDKs add fields; refusing them would break old servers'
+promise of "existing code runs unchanged"), but every known field is type-checked and a violation is
+a 400 naming the field. Responses carry every field the SDK's strict response validation requires.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class _Req(BaseModel):
+class WireRequest(BaseModel):
+    """The base of every request body: unknown fields are ignored (see above)."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class ClientConfigRequest(_Req):
+class ClientConfigRequest(WireRequest):
     sdk_version: str | None = None
 
 
-class CreateSessionRequest(_Req):
+class CreateSessionRequest(WireRequest):
     tags: list[str] = Field(default_factory=list)
     user_metadata: dict[str, Any] | None = None
     sdk_version: str | None = None
@@ -28,20 +30,20 @@ class CreateSessionRequest(_Req):
     display_name: str | None = None
 
 
-class SessionHeartbeatRequest(_Req):
+class SessionHeartbeatRequest(WireRequest):
     session_id: str
 
 
-class FinishReason(_Req):
+class FinishReason(WireRequest):
     type: str = "success"
 
 
-class FinishSessionRequest(_Req):
+class FinishSessionRequest(WireRequest):
     reason: FinishReason | None = None
     detail: str | None = None
 
 
-class LoraConfigWire(_Req):
+class LoraConfigWire(WireRequest):
     rank: int = Field(32, ge=1)
     seed: int | None = None
     train_unembed: bool = True
@@ -49,7 +51,7 @@ class LoraConfigWire(_Req):
     train_attn: bool = True
 
 
-class CreateModelRequest(_Req):
+class CreateModelRequest(WireRequest):
     session_id: str
     model_seq_id: int = Field(ge=0)
     base_model: str
@@ -58,11 +60,11 @@ class CreateModelRequest(_Req):
     optimizer_config: dict[str, Any] | None = None
 
 
-class GetInfoRequest(_Req):
+class GetInfoRequest(WireRequest):
     model_id: str
 
 
-class AdamParamsWire(_Req):
+class AdamParamsWire(WireRequest):
     learning_rate: float = Field(1e-4, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
@@ -71,14 +73,14 @@ class AdamParamsWire(_Req):
     grad_clip_norm: float = Field(0.0, ge=0)
 
 
-class OptimStepRequest(_Req):
+class OptimStepRequest(WireRequest):
     model_id: str
     seq_id: int = Field(ge=1)
     adam_params: AdamParamsWire | None = None
     optimizer_params: dict[str, Any] | None = None
 
 
-class SaveWeightsRequest(_Req):
+class SaveWeightsRequest(WireRequest):
     model_id: str
     seq_id: int = Field(ge=1)
     path: str | None = None
@@ -87,7 +89,7 @@ class SaveWeightsRequest(_Req):
     user_metadata: dict[str, Any] | None = None
 
 
-class SaveWeightsForSamplerRequest(_Req):
+class SaveWeightsForSamplerRequest(WireRequest):
     model_id: str
     seq_id: int = Field(ge=1)
     path: str | None = None
@@ -97,7 +99,7 @@ class SaveWeightsForSamplerRequest(_Req):
     user_metadata: dict[str, Any] | None = None
 
 
-class LoadWeightsRequest(_Req):
+class LoadWeightsRequest(WireRequest):
     path: str
     optimizer: bool = False
     # create-via-load
@@ -110,23 +112,31 @@ class LoadWeightsRequest(_Req):
     seq_id: int | None = Field(None, ge=1)
 
 
-class CreateSamplingSessionRequest(_Req):
+class SaveWeightsExternalRequest(WireRequest):
+    model_id: str
+    path: str
+    seq_id: int = Field(ge=1)
+    ttl_seconds: int | None = Field(None, ge=1)
+    age_encryption_recipients: list[str] | None = None
+
+
+class CreateSamplingSessionRequest(WireRequest):
     session_id: str
     sampling_session_seq_id: int = Field(ge=0)
     base_model: str | None = None
     model_path: str | None = None
 
 
-class EncodedTextChunkWire(_Req):
+class EncodedTextChunkWire(WireRequest):
     type: Literal["encoded_text"] = "encoded_text"
     tokens: list[int]
 
 
-class ModelInputWire(_Req):
+class ModelInputWire(WireRequest):
     chunks: list[dict[str, Any]]
 
 
-class SamplingParamsWire(_Req):
+class SamplingParamsWire(WireRequest):
     max_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
     stop: str | list[str] | list[int] | None = None
@@ -135,7 +145,7 @@ class SamplingParamsWire(_Req):
     top_p: float = Field(1.0, gt=0, le=1)
 
 
-class SampleRequest(_Req):
+class SampleRequest(WireRequest):
     sampling_session_id: str | None = None
     base_model: str | None = None
     model_path: str | None = None
@@ -151,12 +161,197 @@ class SampleRequest(_Req):
     target_prompt_logprobs: dict | None = None  # TensorData JSON (dense or sparse CSR)
 
 
-class RetrieveFutureRequest(_Req):
+class RetrieveFutureRequest(WireRequest):
     request_id: str
     allow_metadata_only: bool = False
 
 
-class UntypedFuture(BaseModel):
+# -- responses ---------------------------------------------------------------------------------
+# A route declares its response with `returns(Model)`: the model documents it in OpenAPI (and the
+# contract snapshot) and validates it. Handlers still build dicts (the native API calls some of
+# them directly); only the keys a handler set are sent, in the model's field order, which is the
+# order the handlers always used, so the bytes on the wire are what they were before the models.
+# Field names are tinker 0.38's (tinker.types); the SDK's models are not imported, so the gateway
+# does not depend on the SDK's private modules.
+
+
+def returns(model: type[BaseModel]) -> dict[str, Any]:
+    """Route decorator arguments for a response of type ``model``."""
+    return {"response_model": model, "response_model_exclude_unset": True}
+
+
+class FutureResponse(BaseModel):
+    """A submitted future of a model (SDK: UntypedAPIFuture)."""
+
     request_id: str
-    model_id: str | None = None
-    sample_sequence_ids: list[str] | None = None
+    model_id: str
+
+
+class SampleFutureResponse(BaseModel):
+    """A submitted sample future (SDK: UntypedAPIFuture with sample_sequence_ids)."""
+
+    request_id: str
+    sample_sequence_ids: list[str]
+
+
+class HealthResponse(BaseModel):
+    status: str
+
+
+class ClientConfigResponse(BaseModel):
+    pjwt_auth_enabled: bool
+    proto_compress_fwdbwd: bool
+    sample_use_retrieve_futures: bool
+    sample_join_sampling_session: bool
+    custom_loss_server_side: bool
+
+
+class ClientDynamicConfigResponse(BaseModel):
+    refresh_interval_sec: int
+    sample_cancel_enabled: bool
+
+
+class CreateSessionResponse(BaseModel):
+    session_id: str
+    type: Literal["create_session"]
+    #: sent only to a deprecated (warning) or unsupported (error) SDK version
+    warning_message: str | None = None
+    error_message: str | None = None
+
+
+class SessionHeartbeatResponse(BaseModel):
+    type: Literal["session_heartbeat"]
+
+
+class FinishSessionResponse(BaseModel):
+    status: str
+    session_id: str
+
+
+class TelemetryResponse(BaseModel):
+    status: str
+
+
+class SupportedModel(BaseModel):
+    model_name: str
+    max_context_length: int | None
+    max_lora_rank: int
+    trainable: bool
+    sampleable: bool
+
+
+class GetServerCapabilitiesResponse(BaseModel):
+    supported_models: list[SupportedModel]
+
+
+class ListSessionsResponse(BaseModel):
+    sessions: list[str]
+
+
+class GetSessionResponse(BaseModel):
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, str] | None
+    display_name: str | None
+    project_id: str | None
+    status: Literal["active", "finished", "expired"]
+
+
+class AssignProjectResponse(BaseModel):
+    session_id: str
+    project_id: str
+
+
+class TraceExportResponse(BaseModel):
+    status: str
+    error: str
+
+
+class ModelData(BaseModel):
+    arch: str
+    model_name: str
+    tokenizer_id: str
+
+
+class GetInfoResponse(BaseModel):
+    type: Literal["get_info"]
+    model_id: str
+    model_data: ModelData
+    model_name: str
+    is_lora: bool
+    lora_rank: int
+    optimizer_config: dict[str, Any]
+
+
+class Checkpoint(BaseModel):
+    checkpoint_id: str
+    checkpoint_type: str
+    time: str | None
+    tinker_path: str
+    size_bytes: int | None
+    public: bool
+    user_metadata: dict[str, Any] | None
+    expires_at: str | None
+
+
+class TrainingRun(BaseModel):
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool
+    corrupted: bool
+    lora_rank: int
+    last_request_time: str | None
+    last_checkpoint: Checkpoint | None
+    last_sampler_checkpoint: Checkpoint | None
+    user_metadata: dict[str, Any] | None
+
+
+class Cursor(BaseModel):
+    offset: int
+    limit: int
+    total_count: int
+
+
+class TrainingRunsResponse(BaseModel):
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+class CheckpointsListResponse(BaseModel):
+    checkpoints: list[Checkpoint]
+    cursor: Cursor
+
+
+class DeleteCheckpointResponse(BaseModel):
+    deleted: str
+
+
+class WeightsInfoResponse(BaseModel):
+    base_model: str
+    is_lora: bool
+    lora_rank: int
+    train_unembed: bool
+    train_mlp: bool
+    train_attn: bool
+    optimizer_config: dict[str, Any]
+
+
+class CopyWeightsResponse(BaseModel):
+    tinker_path: str
+
+
+class CreateSamplingSessionResponse(BaseModel):
+    sampling_session_id: str
+    type: Literal["create_sampling_session"]
+
+
+class GetSamplerResponse(BaseModel):
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+
+
+class ExternalWeightsUrlsResponse(BaseModel):
+    urls: dict[str, str]
+    expires: str

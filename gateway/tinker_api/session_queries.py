@@ -16,12 +16,19 @@ from sqlmodel import col, select
 from gateway.db.tables import SamplingSessionRow, SessionRow, TrainingRunRow
 from gateway.deps import DbDep, PrincipalDep
 from gateway.errors import NotFoundError
-from gateway.tinker_api.schemas import _Req
+from gateway.tinker_api.schemas import (
+    AssignProjectResponse,
+    GetSessionResponse,
+    ListSessionsResponse,
+    TraceExportResponse,
+    WireRequest,
+    returns,
+)
 
 router = APIRouter(prefix="/api/v1")
 
 
-class AssignProjectRequest(_Req):
+class AssignProjectRequest(WireRequest):
     project_id: str = Field(min_length=1, max_length=128)
 
 
@@ -32,7 +39,7 @@ def _session(db, who, session_id: str) -> SessionRow:
     return row
 
 
-@router.get("/sessions")
+@router.get("/sessions", **returns(ListSessionsResponse))
 async def list_sessions(
     who: PrincipalDep,
     db: DbDep,
@@ -40,6 +47,7 @@ async def list_sessions(
     offset: int = Query(0, ge=0),
     access_scope: Literal["owned", "accessible"] = "owned",
 ) -> dict:
+    """Your session ids, newest first."""
     rows = db.exec(
         select(SessionRow.id)
         .where(SessionRow.user_id == who.user_id)
@@ -50,13 +58,14 @@ async def list_sessions(
     return {"sessions": list(rows)}
 
 
-@router.get("/sessions/{session_id}")
+@router.get("/sessions/{session_id}", **returns(GetSessionResponse))
 async def get_session(
     session_id: str,
     who: PrincipalDep,
     db: DbDep,
     access_scope: Literal["owned", "accessible"] = "owned",
 ) -> dict:
+    """A session's training runs, samplers, metadata and status."""
     row = _session(db, who, session_id)
     runs = db.exec(
         select(TrainingRunRow.id)
@@ -80,10 +89,11 @@ async def get_session(
     }
 
 
-@router.put("/sessions/{session_id}/project")
+@router.put("/sessions/{session_id}/project", **returns(AssignProjectResponse))
 async def assign_session_project(
     session_id: str, req: AssignProjectRequest, who: PrincipalDep, db: DbDep
 ) -> dict:
+    """Put a session in a project (a label that filters list_training_runs)."""
     row = _session(db, who, session_id)
     row.project_id = req.project_id
     db.add(row)
@@ -91,7 +101,8 @@ async def assign_session_project(
     return {"session_id": row.id, "project_id": row.project_id}
 
 
-@router.get("/sessions/{session_id}/trace_export")
+@router.get("/sessions/{session_id}/trace_export", **returns(TraceExportResponse))
 async def export_session_trace(session_id: str, who: PrincipalDep, db: DbDep) -> dict:
+    """Session trace export: not supported by this server (answers status failed)."""
     _session(db, who, session_id)
     return {"status": "failed", "error": "session trace export is not supported by this server"}

@@ -17,15 +17,24 @@ from gateway.middleware import deprecation_for, parse_version, sdk_version
 from gateway.quotas import QuotasDep
 from gateway.tinker_api.schemas import (
     ClientConfigRequest,
+    ClientConfigResponse,
+    ClientDynamicConfigResponse,
     CreateSessionRequest,
+    CreateSessionResponse,
     FinishSessionRequest,
+    FinishSessionResponse,
+    GetServerCapabilitiesResponse,
+    HealthResponse,
     SessionHeartbeatRequest,
+    SessionHeartbeatResponse,
+    TelemetryResponse,
+    returns,
 )
 
 router = APIRouter(prefix="/api/v1")
 
 
-@router.get("/healthz", response_model=None)
+@router.get("/healthz", **returns(HealthResponse))
 async def healthz(config: ConfigDep, engine: EngineDep) -> dict | JSONResponse:
     """200 only when the gateway and every replica of every model's Trainer and Sampler answer."""
     try:
@@ -39,8 +48,9 @@ async def healthz(config: ConfigDep, engine: EngineDep) -> dict | JSONResponse:
     return {"status": "ok"}
 
 
-@router.post("/client/config")
+@router.post("/client/config", **returns(ClientConfigResponse))
 async def client_config(req: ClientConfigRequest, who: PrincipalDep, request: Request) -> dict:
+    """The features this server negotiates with the SDK."""
     # Features are negotiated here. API keys (or JWTs when gateway.jwt_enabled), uncompressed
     # protobuf fwd/bwd bodies, no session-wide retrieve_futures, custom losses run client-side
     # (tinker-protocol.md §10).
@@ -53,15 +63,17 @@ async def client_config(req: ClientConfigRequest, who: PrincipalDep, request: Re
     }
 
 
-@router.post("/client/dynamic_config")
+@router.post("/client/dynamic_config", **returns(ClientDynamicConfigResponse))
 async def dynamic_config(req: ClientConfigRequest, who: PrincipalDep) -> dict:
+    """Settings the SDK refreshes while it runs."""
     return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
 
-@router.post("/create_session")
+@router.post("/create_session", **returns(CreateSessionResponse))
 async def create_session(
     req: CreateSessionRequest, request: Request, who: PrincipalDep, db: DbDep, config: ConfigDep
 ) -> dict:
+    """Open a session (a ServiceClient); deprecated SDKs get a warning in the answer."""
     row = SessionRow(
         id=f"sess-{uuid.uuid4().hex[:16]}",
         user_id=who.user_id,
@@ -82,8 +94,9 @@ async def create_session(
     return out
 
 
-@router.post("/session_heartbeat")
+@router.post("/session_heartbeat", **returns(SessionHeartbeatResponse))
 async def session_heartbeat(req: SessionHeartbeatRequest, who: PrincipalDep, db: DbDep) -> dict:
+    """Keep a session alive (a silent session expires and releases its adapters)."""
     row = owned_session(db, who, req.session_id)
     row.last_heartbeat_at = utcnow()
     db.add(row)
@@ -91,10 +104,11 @@ async def session_heartbeat(req: SessionHeartbeatRequest, who: PrincipalDep, db:
     return {"type": "session_heartbeat"}
 
 
-@router.post("/sessions/{session_id}/finish")
+@router.post("/sessions/{session_id}/finish", **returns(FinishSessionResponse))
 async def finish_session(
     session_id: str, req: FinishSessionRequest, who: PrincipalDep, db: DbDep, quotas: QuotasDep
 ) -> dict:
+    """Finish a session; its training clients stop counting against the quota."""
     row = db.get(SessionRow, session_id)
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"session_id: session {session_id!r} not found")
@@ -109,13 +123,15 @@ async def finish_session(
     return {"status": "finished", "session_id": session_id}
 
 
-@router.post("/telemetry")
+@router.post("/telemetry", **returns(TelemetryResponse))
 async def telemetry(who: PrincipalDep) -> dict:
+    """SDK telemetry: accepted and dropped."""
     return {"status": "accepted"}
 
 
-@router.get("/get_server_capabilities")
+@router.get("/get_server_capabilities", **returns(GetServerCapabilitiesResponse))
 async def get_server_capabilities(who: PrincipalDep, config: ConfigDep, engine: EngineDep) -> dict:
+    """The models served here, with their context length and max LoRA rank."""
     models = []
     for m in config.models:
         info = await engine.trainer(m.name, "info")

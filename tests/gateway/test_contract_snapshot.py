@@ -1,6 +1,7 @@
-"""Contract test of the Tinker surface: the routes and request schemas are snapshotted in
-tests/gateway/contract/tinker_api.json, and every `/api/v1/...` route the installed tinker SDK
-names in its source is either served or listed in UNSUPPORTED with the reason.
+"""Contract test of the Tinker surface: the routes, their request schemas and their JSON response
+schemas (the 200 answer) are snapshotted in tests/gateway/contract/tinker_api.json, and every
+`/api/v1/...` route the installed tinker SDK names in its source is either served or listed in
+UNSUPPORTED with the reason.
 
 On an intended change, regenerate the snapshot and review its diff:
 
@@ -87,9 +88,13 @@ def current_contract() -> dict:
                 (p["name"], p["in"], bool(p.get("required"))) for p in op.get("parameters", [])
             )
             body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+            ok = op.get("responses", {}).get("200", {}).get("content", {})
+            answer = ok.get("application/json", {}).get("schema")
             contract[f"{method.upper()} {path}"] = {
                 "parameters": [list(p) for p in params],
                 "body": _resolve(body.get("schema", {}), components) if body else None,
+                # None: not JSON, or JSON of no fixed shape (retrieve_future, downloads)
+                "response": _resolve(answer, components) if answer else None,
             }
     return contract
 
@@ -119,6 +124,8 @@ def test_every_sdk_route_is_served_or_explained() -> None:
 def test_snapshot_check_is_not_vacuous() -> None:
     contract = current_contract()
     assert "PUT /api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}/ttl" in contract
+    typed = contract["POST /api/v1/create_model"]["response"]
+    assert typed["required"] == ["request_id", "model_id"], typed
     tampered = dict(contract)
     tampered.pop(next(iter(tampered)))
     assert tampered != json.loads(SNAPSHOT.read_text())

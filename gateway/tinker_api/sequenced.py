@@ -1,0 +1,145 @@
+"""Submitting Tinker requests as futures exactly once: the service layer under the Tinker routes.
+
+Owns: `Tinker` (the services one request uses, as one FastAPI dependency), `touch`,
+`in_order_rejection`, `submit_once` and `submit_sequenced`.
+
+`submit_sequenced` is the one path of a request in a model's seq_id order (forward,
+forward_backward, optim_step, in-place load_weights, the saves and exports):
+
+1. ownership: the route has resolved the run (`owned_run`: 404 for another tenant's);
+2. claim (model_id, seq_id) in the future store (`FutureStore.claim`: atomic in this replica and,
+   with Redis, across replicas by SET NX). A retry gets the first future (same payload) or a 409
+   (another payload); a retry that arrives while the first is between claim and submit waits for
+   the first one's future id instead of racing it;
+3. touch the run (its last request time);
+4. prepare: validation and quota charges, returning the engine coroutine. A user error
+   (`InvalidRequestError`, `QuotaExceededError`) becomes a future that fails once its seq_id's turn
+   has passed in the Trainer, so later requests of the model are not held up; any other error (a
+   429 rate limit: the SDK resends the same seq_id) releases the claim and propagates;
+5. submit under the claim.
+
+`submit_once` is steps 2, 4 and 5 for requests outside a model's order (create_model, load_weights
+into a new model, asample with a seq_id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from sqlmodel import Session
+
+from gateway.accounts.keys import Principal
+from gateway.accounts.usage import UsageLedger
+from gateway.config import ServerConfig
+from gateway.db.tables import TrainingRunRow, utcnow
+from gateway.deps import DbDep, EngineDep, FuturesDep, PrincipalDep
+from gateway.engine_client import EngineClient
+from gateway.errors import InvalidRequestError, QuotaExceededError
+from gateway.futures.store import FutureRecord, FutureStore
+from gateway.quotas import Quotas, QuotasDep
+from gateway.settings import Settings
+from gateway.tinker_api import jobs
+
+Run = jobs.Run
+#: what `submit_once`'s prepare step returns: the engine coroutine and the record's extra fields
+Prepared = tuple[Run, dict[str, Any]]
+
+
+@dataclass
+class Tinker:
+    """The services one Tinker request uses (resolved once per request by `TinkerDep`)."""
+
+    who: Principal
+    db: Session
+    engine: EngineClient
+    futures: FutureStore
+    quotas: Quotas
+    usage: UsageLedger
+    settings: Settings
+    config: ServerConfig
+
+
+def get_tinker(
+    request: Request,
+    who: PrincipalDep,
+    db: DbDep,
+    engine: EngineDep,
+    futures: FuturesDep,
+    quotas: QuotasDep,
+) -> Tinker:
+    state = request.app.state
+    return Tinker(
+        who, db, engine, futures, quotas, state.usage, state.settings, state.server_config
+    )
+
+
+TinkerDep = Annotated[Tinker, Depends(get_tinker)]
+
+
+def touch(db: Session, run: TrainingRunRow) -> None:
+    """Record that ``run`` was used now (shown by get_training_run)."""
+    run.last_request_time = utcnow()
+    db.add(run)
+    db.commit()
+
+
+def in_order_rejection(engine: EngineClient, run: TrainingRunRow, seq_id: int, message: str) -> Run:
+    """The coroutine of a refused request: it lets ``seq_id`` pass the model's ordering in the
+    Trainer, then fails with ``message`` (a user error)."""
+    return jobs.runner(engine, jobs.skip_job(run.base_model, run.id, seq_id, message))
+
+
+async def submit_once(
+    t: Tinker,
+    key: tuple[str, int] | None,
+    fp: str | None,
+    kind: str,
+    prepare: Callable[[], Awaitable[Prepared]],
+) -> FutureRecord:
+    """The one future of idempotency ``key``: claim it, ``prepare``, submit. An existing future
+    under ``key`` is returned as is (nothing is charged); if ``prepare`` raises, the claim is
+    released and the error propagates. Without a key, prepare and submit."""
+    if key is None:
+        run, extra = await prepare()
+        return t.futures.submit(user_id=t.who.user_id, kind=kind, run=run, extra=extra, fp=fp)
+    got = await t.futures.claim(key, fp)
+    if isinstance(got, FutureRecord):
+        return got
+    try:
+        run, extra = await prepare()
+    except BaseException:
+        await t.futures.release(got)
+        raise
+    return t.futures.submit(user_id=t.who.user_id, kind=kind, run=run, extra=extra, claim=got)
+
+
+async def submit_sequenced(
+    t: Tinker,
+    run: TrainingRunRow,
+    seq_id: int,
+    fp: str | None,
+    kind: str,
+    prepare: Callable[[], Awaitable[Run]],
+) -> FutureRecord:
+    """The future of request ``seq_id`` of model ``run`` (see the module docstring's steps)."""
+
+    async def touch_and_prepare() -> Prepared:
+        touch(t.db, run)
+        try:
+            job = await prepare()
+        except (InvalidRequestError, QuotaExceededError) as exc:
+            job = in_order_rejection(t.engine, run, seq_id, str(exc))
+        return job, {"base_model": run.base_model}
+
+    return await submit_once(t, (run.id, seq_id), fp, kind, touch_and_prepare)
+
+
+def future_json(rec: FutureRecord, model_id: str | None = None) -> dict[str, Any]:
+    """The wire form of a submitted future: ``{"request_id", "model_id"?}``."""
+    out: dict[str, Any] = {"request_id": rec.request_id}
+    if model_id is not None:
+        out["model_id"] = model_id
+    return out
