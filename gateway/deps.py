@@ -19,7 +19,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import GoneError, InvalidRequestError, NotFoundError
 from gateway.futures.store import FutureStore
 from gateway.runs.checkpoints import CHECKPOINT_DELETED
-from gateway.settings import Settings
+from gateway.settings import Secrets, Settings
 
 
 def get_db(request: Request) -> Iterator[Session]:
@@ -51,6 +51,13 @@ EngineDep = Annotated[EngineClient, Depends(get_engine)]
 FuturesDep = Annotated[FutureStore, Depends(get_futures)]
 ConfigDep = Annotated[ServerConfig, Depends(get_config)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def get_secrets(request: Request) -> Secrets:
+    return request.app.state.secrets
+
+
+SecretsDep = Annotated[Secrets, Depends(get_secrets)]
 
 __all__ = ["Principal", "PrincipalDep"]
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-import secrets
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +22,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
 from gateway.db.tables import CheckpointRow, utcnow
-from gateway.deps import ConfigDep, DbDep, PrincipalDep, SettingsDep, owned_run
+from gateway.deps import ConfigDep, DbDep, PrincipalDep, SecretsDep, owned_run
 from gateway.errors import (
     GoneError,
     InvalidRequestError,
@@ -44,29 +42,6 @@ from gateway.tinker_api.sequenced import Run, TinkerDep, future_json, submit_seq
 
 router = APIRouter(prefix="/api/v1")
 EXPORT_FILES = ("adapter_model.safetensors", "adapter_config.json")
-SIGNING_KEY_ENV = "TWINKLE_URL_SIGNING_KEY"
-
-
-def signing_key(data_dir: Path) -> bytes:
-    env = os.environ.get(SIGNING_KEY_ENV)
-    if env:
-        return env.encode()
-    path = data_dir / "secrets" / "url_signing.key"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_hex(32))
-        try:
-            os.link(tmp, path)  # first writer wins; concurrent replicas read the same key
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
-    return path.read_text().strip().encode()
-
-
 def _signature(key: bytes, row: CheckpointRow, filename: str, expires: int) -> str:
     msg = f"{row.id}\n{row.tinker_path}\n{row.created_at.isoformat()}\n{filename}\n{expires}"
     return hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
@@ -101,7 +76,7 @@ async def external_weights_urls(
     request: Request,
     who: PrincipalDep,
     db: DbDep,
-    settings: SettingsDep,
+    secrets: SecretsDep,
     config: ConfigDep,
 ) -> dict:
     """Signed download URLs of an export's files (no API key needed until they expire)."""
@@ -114,7 +89,7 @@ async def external_weights_urls(
             "create one with save_weights_external"
         )
     expires = int(time.time() + config.download_url_ttl_seconds)
-    key = signing_key(settings.data_dir)
+    key = secrets.url_signing
     base = str(request.base_url).rstrip("/")
     urls = {
         name: f"{base}/api/v1/external_weights/{row.id}/{name}"
@@ -129,7 +104,7 @@ async def download_external_weights(
     checkpoint_row_id: int,
     filename: str,
     db: DbDep,
-    settings: SettingsDep,
+    secrets: SecretsDep,
     expires: int = Query(...),
     sig: str = Query(..., max_length=128),
 ) -> FileResponse:
@@ -137,7 +112,7 @@ async def download_external_weights(
     row = db.get(CheckpointRow, checkpoint_row_id)
     if filename not in EXPORT_FILES or row is None or row.kind != "external":
         raise NotFoundError("download: no such file")
-    good = _signature(signing_key(settings.data_dir), row, filename, expires)
+    good = _signature(secrets.url_signing, row, filename, expires)
     if not hmac.compare_digest(good, sig):
         raise PermissionDeniedError("download: the URL's signature does not match")
     if expires < time.time():

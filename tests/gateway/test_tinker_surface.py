@@ -281,14 +281,14 @@ def test_signed_download_urls(env):
     assert other_file.status_code == 403  # a signature is for one file
     # An expired URL with a valid signature (signed here with the server's key) is 410.
     from gateway.db.tables import CheckpointRow
-    from gateway.tinker_api.exports import _signature, signing_key
+    from gateway.tinker_api.exports import _signature
 
     row_id = int(url.path.split("/")[-2])
     with session_scope(client.app.state.db_engine) as s:
         row = s.get(CheckpointRow, row_id)
         past = int(time.time()) - 5
         sig = _signature(
-            signing_key(client.app.state.settings.data_dir), row, "adapter_config.json", past
+            client.app.state.secrets.url_signing, row, "adapter_config.json", past
         )
     expired = client.get(f"{url.path}?{urlencode({'expires': past, 'sig': sig})}", headers=anon)
     assert expired.status_code == 410 and "expired" in expired.json()["error"]["message"]
