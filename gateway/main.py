@@ -1,8 +1,8 @@
 """create_app(): the gateway's FastAPI application, wired to an engine client.
 
-The DB engine and the future store are built in the lifespan (not at import), so tests and Ray
-Serve replicas control them. The engine client is passed in: Ray Serve handles under `twinkle serve`,
-in-process engine objects in tests.
+The DB engine, the future store and the secrets are built in the lifespan (not at import), so
+tests and Ray Serve replicas control them. The engine client is passed in: Ray Serve handles under
+`twinkle serve`, in-process engine objects in tests.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gateway.errors import register_exception_handlers
 from gateway.futures.kv import make_kv
 from gateway.futures.store import FutureStore
 from gateway.metrics import GatewayMetrics, MetricsMiddleware, metrics_router
-from gateway.middleware import GatewayMiddleware
+from gateway.middleware import IdempotencyKeyMiddleware, RequestHeadersMiddleware
 from gateway.quotas import build_quotas
 from gateway.runs.expiry import sweep_forever
 from gateway.settings import Secrets, Settings
@@ -102,9 +102,11 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     app.state.server_config = config
     app.state.engine_client = engine_client
     register_exception_handlers(app)
+    # Starlette wraps the last added outermost: request ids and deprecation headers around the
+    # idempotent replay (which answers with the request id).
+    app.add_middleware(IdempotencyKeyMiddleware, kv_getter=lambda: getattr(app.state, "kv", None))
     app.add_middleware(
-        GatewayMiddleware,
-        kv_getter=lambda: getattr(app.state, "kv", None),
+        RequestHeadersMiddleware,
         deprecated_below=config.sdk_deprecated_below,
         unsupported_below=config.sdk_unsupported_below,
     )

@@ -1,4 +1,5 @@
-"""ASGI middleware of the gateway: request ids, `X-Idempotency-Key` replay, SDK deprecation headers.
+"""ASGI middleware of the gateway: request ids and SDK deprecation headers
+(`RequestHeadersMiddleware`), `X-Idempotency-Key` replay (`IdempotencyKeyMiddleware`).
 
 * Every response carries ``x-request-id`` (the same id the JSON error envelope carries).
 * A POST/PUT/DELETE with ``X-Idempotency-Key`` that already succeeded (2xx) for the same caller,
@@ -82,21 +83,18 @@ def deprecation_for(
     return None
 
 
-class GatewayMiddleware:
+class RequestHeadersMiddleware:
+    """Gives every request an id (``x-request-id``: the client's, when well-formed, else a new
+    one; error envelopes and replays carry the same) and tells old Tinker SDKs they are deprecated
+    (``x-deprecation-level`` / ``x-deprecation-note``). Outermost of the two, so replays get the
+    headers too."""
+
     def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        kv_getter: Any,
-        deprecated_below: str = "0.0.0",
-        unsupported_below: str = "0.0.0",
+        self, app: ASGIApp, *, deprecated_below: str = "0.0.0", unsupported_below: str = "0.0.0"
     ) -> None:
-        """``kv_getter()`` returns the KV (built in the app's lifespan, after this is made)."""
         self.app = app
-        self._kv_getter = kv_getter
         self._deprecated_below = deprecated_below
         self._unsupported_below = unsupported_below
-        self._inflight: dict[str, asyncio.Event] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -120,6 +118,24 @@ class GatewayMiddleware:
                         h.append(k, v)
             await send(message)
 
+        await self.app(scope, receive, send_with_headers)
+
+
+class IdempotencyKeyMiddleware:
+    """Replays a request that already succeeded under the same ``X-Idempotency-Key`` (see the
+    module docstring). Runs inside `RequestHeadersMiddleware` (it needs the request id)."""
+
+    def __init__(self, app: ASGIApp, *, kv_getter: Any) -> None:
+        """``kv_getter()`` returns the KV (built in the app's lifespan, after this is made)."""
+        self.app = app
+        self._kv_getter = kv_getter
+        self._inflight: dict[str, asyncio.Event] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
         key = headers.get("x-idempotency-key")
         path: str = scope["path"]
         kv: KV | None = self._kv_getter()
@@ -129,9 +145,9 @@ class GatewayMiddleware:
             or scope["method"] not in ("POST", "PUT", "DELETE", "PATCH")
             or path.endswith(_NOT_CACHED)
         ):
-            await self.app(scope, receive, send_with_headers)
+            await self.app(scope, receive, send)
             return
-        await self._idempotent(scope, receive, send_with_headers, headers, key, kv)
+        await self._idempotent(scope, receive, send, headers, key, kv)
 
     async def _idempotent(
         self, scope: Scope, receive: Receive, send: Send, headers: Headers, key: str, kv: KV

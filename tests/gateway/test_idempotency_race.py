@@ -27,7 +27,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from gateway.accounts.keys import authenticate_engine
 from gateway.futures.kv import KV, MemoryKV, RedisKV
 from gateway.futures.store import Claim, FutureRecord, FutureStore
-from gateway.middleware import GatewayMiddleware
+from gateway.middleware import IdempotencyKeyMiddleware, RequestHeadersMiddleware
 from tests.gateway.accounts_env import BASE, build_engines, make_app, new_key, set_quota
 
 N = 20
@@ -283,7 +283,10 @@ def test_idempotency_key_runs_once_across_replicas(kv_kind) -> None:
             )
             await send({"type": "http.response.body", "body": body})
 
-        replicas = [GatewayMiddleware(app, kv_getter=lambda: kv) for _ in range(2)]
+        replicas = [
+            RequestHeadersMiddleware(IdempotencyKeyMiddleware(app, kv_getter=lambda: kv))
+            for _ in range(2)
+        ]
         clients = [
             httpx.AsyncClient(transport=httpx.ASGITransport(app=r), base_url="http://t")
             for r in replicas
