@@ -42,6 +42,8 @@ from gateway.tinker_api.sequenced import Run, TinkerDep, future_json, submit_seq
 
 router = APIRouter(prefix="/api/v1")
 EXPORT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
 def _signature(key: bytes, row: CheckpointRow, filename: str, expires: int) -> str:
     msg = f"{row.id}\n{row.tinker_path}\n{row.created_at.isoformat()}\n{filename}\n{expires}"
     return hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()

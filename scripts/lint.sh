@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The guardrails: ruff (rules in pyproject.toml), pyright (basic, pyrightconfig.json) over gateway/,
+# engine/ and client/, and the import contracts (.importlinter). Any finding fails; CI runs this
+# before the tests. pyright runs on the machine's Node.js (or fetches its npm package once).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+echo "[lint] ruff" >&2
+.venv/bin/ruff check gateway engine client tests benchmarks cookbook scripts migrations
+.venv/bin/ruff format --check gateway engine client
+echo "[lint] import contracts" >&2
+.venv/bin/lint-imports
+echo "[lint] pyright" >&2
+.venv/bin/pyright
