@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import ConfigError
-from gateway.config import ServerConfig
+from gateway.config import ServerConfig, check_replicas_share_state
 from tests.gateway.harness import (
     build_engines,
     create_model,
@@ -185,11 +185,14 @@ def test_lora_rank_and_checkpoint_caps(replicas, tmp_path) -> None:
 
 
 def test_more_than_one_gateway_replica_needs_redis() -> None:
+    two = ServerConfig.from_dict({"gateway": {"num_replicas": 2}})
     with pytest.raises(ConfigError) as ei:
-        ServerConfig.from_dict({"gateway": {"num_replicas": 2}})
-    assert "redis_url" in str(ei.value)
+        check_replicas_share_state(None, two)
+    assert "redis_url" in str(ei.value) and "TWINKLE_REDIS_URL" in str(ei.value)
     ok = ServerConfig.from_dict({"gateway": {"num_replicas": 2, "redis_url": "redis://h:6379/0"}})
     assert ok.gateway.num_replicas == 2
+    check_replicas_share_state(None, ok)
+    check_replicas_share_state("redis://h:6379/0", two)  # TWINKLE_REDIS_URL counts too
 
 
 def test_sample_token_rate_covers_tinker_and_openai_sampling(replicas) -> None:
