@@ -134,6 +134,7 @@ def wait_future(
             json={"request_id": fut["request_id"], **extra},
             headers=_headers(key),
         )
+        assert r.status_code == 200, r.text
         if r.headers.get("content-type", "").startswith("application/x-protobuf"):
             return r
         body = r.json()
