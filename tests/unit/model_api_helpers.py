@@ -1,0 +1,40 @@
+"""Shared by the MultiLoraTransformersModel tests (tests/unit/test_model_api_*.py): texts, LoRA
+config, HF-style datums, parameter snapshots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.backends.lora import adapter_parameters
+from engine.local.model import MultiLoraTransformersModel
+
+TEXTS = [
+    "User: what is 12 plus 13? Assistant: 25.",
+    "The small model reads every line of the corpus slowly and then it rests.",
+    "def compute_batch(batch, token=None):\n    return batch + token",
+    "User: what is the capital of France? Assistant: The capital of France is Paris.",
+]
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "seed": 1}
+
+
+def hf(seq: list[int], prompt_len: int = 0) -> dict:
+    """HF-style datum; the first ``prompt_len`` labels are ignored (-100)."""
+    return {"input_ids": list(seq), "labels": [-100] * prompt_len + list(seq[prompt_len:])}
+
+
+def new_model(model_dir: Path, **kw) -> MultiLoraTransformersModel:
+    return MultiLoraTransformersModel(model_dir, **kw)
+
+
+def params(m: MultiLoraTransformersModel, name: str = "default") -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in adapter_parameters(m.backend.model, name).items()}
+
+
+def assert_params_close(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], atol=atol, rtol=0)
