@@ -9,25 +9,10 @@ import asyncio
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec
+from engine.protocol import AdamParams, LoraSpec
 from engine.scheduling.fair import FIXED_COST, FairScheduler
 from engine.trainer import Trainer
-
-
-def _batch(rng, n: int, length: int) -> ForwardBackwardInput:
-    data = []
-    for _ in range(n):
-        toks = rng.integers(5, 1500, size=length + 1)
-        data.append(
-            DatumInput(
-                tokens=toks[:-1].tolist(),
-                loss_fn_inputs={
-                    "target_tokens": toks[1:].astype(np.int64),
-                    "weights": np.ones(length, np.float32),
-                },
-            )
-        )
-    return ForwardBackwardInput(data=data)
+from tests.factories import random_batch
 
 
 def test_drr_alternates_by_tokens_not_by_requests():
@@ -54,8 +39,8 @@ def _contended_schedule(tiny_model_dir, steps: int, think_s: float) -> list[tupl
     on the compute thread. Counted work, not wall time: a loaded host changes when things happen,
     not which job the scheduler picks next."""
     rng = np.random.default_rng(0)
-    small = _batch(rng, 8, 32)
-    big = _batch(rng, 64, 32)
+    small = random_batch(rng, 8, 32)
+    big = random_batch(rng, 64, 32)
     cfg = ModelConfig(
         name="twinkle/tiny-chat",
         path=str(tiny_model_dir),

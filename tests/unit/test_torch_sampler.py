@@ -13,18 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.backends.lora import adapter_parameters, add_adapter, inject_multi_lora, save_adapter
 from engine.backends.sample_torch import TorchSamplingBackend, _filter_logits
-from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import CheckpointError, UserInputError
 from engine.protocol import (
-    AdamParams,
-    DatumInput,
-    ForwardBackwardInput,
-    LoraSpec,
     SampleInput,
     SamplingParams,
 )
+from tests import factories
+from tests.factories import random_adapter
 
 CHATS = [
     "User: what is 12 plus 13? Assistant: 25.",
@@ -55,42 +51,14 @@ def sampler(tiny_model_dir: Path) -> TorchSamplingBackend:
 @pytest.fixture(scope="module")
 def trained_adapter(tiny_model_dir: Path, tmp_path_factory, sampler) -> Path:
     """A checkpoint from the training backend, trained on a few chat lines."""
-    be = TransformersTrainingBackend(str(tiny_model_dir))
-    be.create_adapter("t", LoraSpec(rank=8, seed=1))
-    data = []
-    for text in CHATS:
-        ids = np.array(sampler.tokenizer(text)["input_ids"])
-        data.append(
-            DatumInput(
-                ids[:-1].tolist(), {"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1)}
-            )
-        )
-    for _ in range(60):
-        be.forward_backward("t", ForwardBackwardInput(data=data))
-        be.optim_step("t", AdamParams(learning_rate=5e-3, grad_clip_norm=1.0))
+    ids = [sampler.tokenizer(text)["input_ids"] for text in CHATS]
     out = tmp_path_factory.mktemp("ckpt") / "trained"
-    be.save_state("t", str(out), include_optimizer=False)
-    return out
-
-
-def _perturbed_adapter(model_dir: Path, out: Path, seed: int) -> Path:
-    model = _hf(model_dir)
-    inject_multi_lora(model)
-    spec = LoraSpec(rank=4, alpha=8.0, seed=seed)
-    add_adapter(model, "p", spec)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for k, p in adapter_parameters(model, "p").items():
-            if "lora_B" in k:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    out.mkdir(parents=True, exist_ok=True)
-    save_adapter(model, "p", spec, out)
-    return out
+    return factories.trained_adapter(tiny_model_dir, ids, out, 60)
 
 
 @pytest.fixture(scope="module")
 def perturbed_adapter(tiny_model_dir: Path, tmp_path_factory) -> Path:
-    return _perturbed_adapter(tiny_model_dir, tmp_path_factory.mktemp("ckpt") / "perturbed", seed=5)
+    return random_adapter(tiny_model_dir, tmp_path_factory.mktemp("ckpt") / "perturbed", seed=5)
 
 
 def _prompt(sampler, text: str = "User: what is 12 plus 13? Assistant:") -> list[int]:
@@ -336,7 +304,7 @@ def test_adapter_cache_lru_and_reload(
     shutil.copytree(perturbed_adapter, moving)
     first = _sample(small, prompt, moving, max_tokens=8, temperature=0.0).sequences[0].tokens
     shutil.rmtree(moving)
-    _perturbed_adapter(tiny_model_dir, moving, seed=6)
+    random_adapter(tiny_model_dir, moving, seed=6)
     second = _sample(small, prompt, moving, max_tokens=8, temperature=0.0).sequences[0].tokens
     assert first == expect[perturbed_adapter] and second != first
     with pytest.raises(CheckpointError):

@@ -31,15 +31,13 @@ import pytest
 import torch
 
 from engine.backends.lora import (
-    adapter_parameters,
-    add_adapter,
     inject_multi_lora,
     load_adapter,
     lora_routing,
-    save_adapter,
 )
 from engine.errors import CheckpointError, ConfigError, EngineError, UserInputError
 from engine.protocol import LoraSpec, SampleInput, SampleOutput, SamplingParams
+from tests.factories import random_adapter
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -75,22 +73,6 @@ def model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
     return out
 
 
-def _adapter(model_dir: Path, out: Path, seed: int, spec: LoraSpec) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    inject_multi_lora(model)
-    add_adapter(model, "p", spec)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for k, p in adapter_parameters(model, "p").items():
-            if "lora_B" in k:  # PEFT init has B = 0: make the adapter change the output
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    out.mkdir(parents=True, exist_ok=True)
-    save_adapter(model, "p", spec, out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(model_dir: Path, tmp_path_factory) -> list[Path]:
     """Four PEFT checkpoints with different ranks and target sets, none on lm_head (vLLM's Qwen2
@@ -102,7 +84,7 @@ def adapters(model_dir: Path, tmp_path_factory) -> list[Path]:
         LoraSpec(rank=8, alpha=8.0, train_mlp=False, train_unembed=False),
         LoraSpec(rank=2, alpha=4.0, train_attn=False, train_unembed=False),
     ]
-    return [_adapter(model_dir, root / f"a{i}", 10 + i, s) for i, s in enumerate(specs)]
+    return [random_adapter(model_dir, root / f"a{i}", 10 + i, s) for i, s in enumerate(specs)]
 
 
 class Reference:
@@ -308,8 +290,8 @@ def test_four_adapters_in_one_batch_equal_one_by_one(vllm_sampler, ref, adapters
 @needs_vllm
 def test_errors_stay_in_their_slot(vllm_sampler, ref, model_dir, tmp_path) -> None:
     tok = ref.tokenizer
-    unembed = _adapter(model_dir, tmp_path / "unembed", 7, LoraSpec(rank=4, alpha=8.0))
-    too_big = _adapter(model_dir, tmp_path / "r16", 8, LoraSpec(rank=16, train_unembed=False))
+    unembed = random_adapter(model_dir, tmp_path / "unembed", 7, LoraSpec(rank=4, alpha=8.0))
+    too_big = random_adapter(model_dir, tmp_path / "r16", 8, LoraSpec(rank=16, train_unembed=False))
     good = _inp(tok, TEXTS[0], max_tokens=5, temperature=0)
     bad = [
         (_inp(tok, TEXTS[0], temperature=-1.0), UserInputError, "sampling_params.temperature"),
