@@ -19,8 +19,6 @@ from fastapi.testclient import TestClient
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from engine.sampler import Sampler
-from engine.trainer import Trainer
 from gateway.accounts.service import create_key, ensure_user
 from gateway.config import ServerConfig
 from gateway.db import make_engine, session_scope, upgrade_to_head
@@ -54,6 +52,9 @@ def fresh_postgres_db(server_url: str) -> str:
 def build_engines(data: Path, n: int = 1) -> list[dict]:
     """``n`` independent in-process engines ({base model: {"trainer", "sampler"}}) on the tiny
     model, each with its own Trainer and Sampler (the model is built once under ``data``)."""
+    from engine.sampler import Sampler  # torch: only where an engine is built
+    from engine.trainer import Trainer
+
     m = ServerConfig().models[0]
     return [
         {BASE: {"trainer": Trainer(m, str(data)), "sampler": Sampler(m, str(data))}}
