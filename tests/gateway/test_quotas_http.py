@@ -179,8 +179,14 @@ def test_lora_rank_and_checkpoint_caps(replicas, tmp_path) -> None:
     time.sleep(1.2)
     listed = c.get(f"/api/v1/training_runs/{mid}/checkpoints", headers=h).json()["checkpoints"]
     assert listed == []  # the listing purged the expired checkpoint
-    time.sleep(0.3)  # its quota release runs as a task on the app's loop right after deletion
-    got = save(6, "c")
+    # its quota release runs as a task on the app's loop right after deletion: polled (each try a
+    # new seq_id; a denied one fails in order) rather than a fixed pause a loaded host may outrun
+    seq, deadline = 6, time.monotonic() + 30
+    got = save(seq, "c")
+    while "max_checkpoints" in got.get("error", "") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seq += 1
+        got = save(seq, "c")
     assert got.get("path", "").endswith("/weights/c"), got
 
 
