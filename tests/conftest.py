@@ -1,8 +1,16 @@
-"""Session fixtures shared by every test layer: real redis-server and Postgres (tests/services.py)."""
+"""Session fixtures shared by every test layer: offline settings, and a real redis-server and
+Postgres (tests/services.py)."""
 
 from __future__ import annotations
 
 import os
+
+# Offline model hubs and no telemetry for every test, set before anything imports transformers,
+# huggingface_hub or tinker (tests never download; the tiny model is built locally).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 from collections.abc import Iterator
 
 import pytest

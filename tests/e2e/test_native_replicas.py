@@ -36,7 +36,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from engine.base_models.registry import resolve_model_dir  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
-from gateway.accounts.keys import create_user_and_key  # noqa: E402
+from gateway.accounts.service import create_user_and_key  # noqa: E402
 from gateway.config import ServerConfig  # noqa: E402
 from gateway.db import make_engine, session_scope, upgrade_to_head  # noqa: E402
 from gateway.engine_client import EngineClient  # noqa: E402

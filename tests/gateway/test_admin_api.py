@@ -1,44 +1,26 @@
 """The admin REST API and the account rules through the real gateway (real SQLite and a real
-Postgres server, in-process engine): orgs / users / keys / quotas CRUD with audit events, disable and revoke effective on the
-next request, expiry, the usage ledger, engine status, and a grep of every response, log line,
-DB value and the /metrics exposition for the raw keys."""
+Postgres server, in-process engine): orgs / users / keys / quotas CRUD with audit events, disable
+and revoke effective on the next request, expiry, the usage ledger, engine status, and a grep of
+every response, log line, DB value and the /metrics exposition for the raw keys."""
 
 from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from gateway.db import make_engine
-from tests.gateway.accounts_env import (
-    build_engines,
-    create_model,
-    fwdbwd,
-    make_app,
-    model,
-    new_key,
-    session,
-    wait,
-)
-from tests.gateway.test_migrations import fresh_postgres_db
+from tests.gateway.harness import create_model, fwdbwd, model, new_key, session, wait_future
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
-def env(request, tmp_path_factory):
-    data = Path(tmp_path_factory.mktemp("admin"))
-    if request.param == "sqlite":
-        db_url = f"sqlite:///{data / 'twinkle.db'}"
-    else:
-        db_url = fresh_postgres_db(request.getfixturevalue("postgres_url"))
-    engines = build_engines(data, 1)[0]
-    with TestClient(make_app(data, db_url, engines)) as c:
-        admin = new_key(db_url, "root", org="ops", scope="admin")
-        yield {"c": c, "db_url": db_url, "admin": admin, "h": {"X-API-Key": admin}}
+@pytest.fixture(scope="module")
+def env(make_gateway, each_db):
+    with make_gateway(db=each_db) as gw:
+        admin = gw.key("root", org="ops", scope="admin")
+        yield {"c": gw.client, "db_url": gw.db_url, "admin": admin, "h": {"X-API-Key": admin}}
 
 
 def _events(env, event: str) -> list[dict]:
@@ -158,7 +140,7 @@ def test_usage_ledger_and_engine_status(env) -> None:
     sid = session(c, key)
     mid = model(c, key, sid)
     for seq in (1, 2):
-        assert wait(c, key, fwdbwd(c, key, mid, seq, 12).json()).status_code == 200
+        assert wait_future(c, key, fwdbwd(c, key, mid, seq, 12).json()).status_code == 200
     r = c.post(
         "/api/v1/asample",
         headers={"X-API-Key": key},
@@ -169,7 +151,7 @@ def test_usage_ledger_and_engine_status(env) -> None:
             "sampling_params": {"max_tokens": 3, "temperature": 0},
         },
     )
-    wait(c, key, r.json())
+    wait_future(c, key, r.json())
     now = datetime.now(UTC)
     params = {
         "start": (now - timedelta(hours=1)).isoformat(),
@@ -186,7 +168,7 @@ def test_usage_ledger_and_engine_status(env) -> None:
         headers={"X-API-Key": key},
         json={"model_id": mid, "seq_id": 3, "path": "ck"},
     ).json()
-    assert wait(c, key, save)["path"]
+    assert wait_future(c, key, save)["path"]
     ledger = c.app.state.usage
     t0 = datetime.now(UTC).replace(tzinfo=None, minute=0, second=0, microsecond=0)
     ledger._last_accrual = None

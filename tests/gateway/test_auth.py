@@ -27,6 +27,7 @@ from gateway.accounts.service import create_user_and_key
 from gateway.db import make_engine, session_scope, upgrade_to_head
 from gateway.db.tables import ApiKeyRow, UserRow, utcnow
 from gateway.errors import AuthenticationError, register_exception_handlers
+from tests.gateway.harness import new_key
 
 
 @pytest.fixture
@@ -62,8 +63,7 @@ def client(engine: Engine) -> Iterator[TestClient]:
 
 
 def _new_key(engine: Engine, user: str = "alice", admin: bool = False) -> str:
-    with session_scope(engine) as session:
-        return create_user_and_key(session, user_name=user, admin=admin)
+    return new_key(engine, user, org=None, scope="admin" if admin else "user")
 
 
 def _assert_401(resp, *secrets_: str) -> None:

@@ -13,8 +13,6 @@ Trainer answers the repeats with the first execution's results, so nothing runs 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -26,18 +24,16 @@ import tinker
 import uvicorn
 from tinker import types
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from engine.config import ModelConfig  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
-from engine.trainer import Trainer  # noqa: E402
-from gateway.accounts.service import create_user_and_key  # noqa: E402
-from gateway.config import ServerConfig  # noqa: E402
-from gateway.db import make_engine, session_scope, upgrade_to_head  # noqa: E402
-from gateway.engine_client import EngineClient  # noqa: E402
-from gateway.main import create_app  # noqa: E402
-from gateway.settings import Settings  # noqa: E402
+from engine.config import ModelConfig
+from engine.sampler import Sampler
+from engine.trainer import Trainer
+from gateway.config import ServerConfig
+from gateway.db import upgrade_to_head
+from gateway.engine_client import EngineClient
+from gateway.main import create_app
+from gateway.settings import Settings
+from tests.gateway.harness import new_key, sqlite_url
+from tests.services import free_port
 
 BASE = "twinkle/tiny-chat"
 STEPS, RESTART_AT = 5, 2
@@ -51,18 +47,12 @@ DATA = [
 ]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Gateway:
     """Gateways started and stopped one after another on one port and one event loop."""
 
     def __init__(self, settings: Settings, config: ServerConfig, engines: dict) -> None:
         self.settings, self.config, self.engines = settings, config, engines
-        self.port = _port()
+        self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -111,12 +101,9 @@ class Gateway:
 @pytest.fixture
 def env(tmp_path: Path, redis_url: str):
     redis.Redis.from_url(redis_url).flushdb()
-    settings = Settings(
-        data_dir=tmp_path, database_url=f"sqlite:///{tmp_path}/twinkle.db", redis_url=redis_url
-    )
+    settings = Settings(data_dir=tmp_path, database_url=sqlite_url(tmp_path), redis_url=redis_url)
     upgrade_to_head(settings.database_url)
-    with session_scope(make_engine(settings.database_url)) as s:
-        key = create_user_and_key(s, user_name="alice", admin=False)
+    key = new_key(settings.database_url, "alice")
     model = ModelConfig(name=BASE, execution="sequential")
     config = ServerConfig(models=[model], long_poll_seconds=1.0)
     trainer = Trainer(model, str(tmp_path))
@@ -164,9 +151,15 @@ def test_gateway_restart_mid_training_keeps_losses(env):
     def restart() -> None:
         gate.clear()
         assert entered.wait(30), "forward_backward never reached the Trainer"
-        time.sleep(0.5)  # the optim_step is submitted and waits for its seq_id turn
+        # the optim_step is submitted and waits for its seq_id turn (polled, not slept: a loaded
+        # host may take longer than any fixed pause to submit it)
         old = gw.apps[-1].state.futures
-        pending = [r for r in old._futures.values() if not r.done.is_set()]
+        deadline = time.monotonic() + 30
+        while True:
+            pending = [r for r in old._futures.values() if not r.done.is_set()]
+            if len(pending) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert len(pending) >= 2, "the restart should interrupt pending futures"
         gw.stop()  # its tasks are cancelled; the Trainer's work goes on (shielded)
         gw.start()

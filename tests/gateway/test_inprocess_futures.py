@@ -3,45 +3,20 @@ out-of-order seq_ids over HTTP, long-poll try_again, failed futures, idempotent 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 from tinker import types
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from engine.sampler import Sampler  # noqa: E402
-from engine.trainer import Trainer  # noqa: E402
-from gateway.accounts.service import create_user_and_key  # noqa: E402
-from gateway.config import ServerConfig  # noqa: E402
-from gateway.db import make_engine, session_scope, upgrade_to_head  # noqa: E402
-from gateway.engine_client import EngineClient  # noqa: E402
-from gateway.main import create_app  # noqa: E402
-from gateway.settings import Settings  # noqa: E402
-
-BASE = "twinkle/tiny-chat"
+from tests.gateway.harness import BASE, fwdbwd_body, post_fwdbwd
 
 
 @pytest.fixture(scope="module")
-def app_client(tmp_path_factory):
-    data = Path(tmp_path_factory.mktemp("data"))
-    settings = Settings(data_dir=data, database_url=f"sqlite:///{data}/twinkle.db")
-    upgrade_to_head(settings.database_url)
-    with session_scope(make_engine(settings.database_url)) as s:
-        key = create_user_and_key(s, user_name="alice", admin=False)
-    config = ServerConfig(long_poll_seconds=0.5)
-    m = config.models[0]
-    engines = {BASE: {"trainer": Trainer(m, str(data)), "sampler": Sampler(m, str(data))}}
-    app = create_app(settings, config, EngineClient(engines, ray_handles=False))
-    with TestClient(app) as client:
-        client.headers["X-API-Key"] = key
-        yield client
+def app_client(make_gateway):
+    gw = make_gateway()
+    gw.client.headers["X-API-Key"] = gw.key("alice")
+    return gw.client
 
 
 def _model(client) -> str:
@@ -60,15 +35,7 @@ def _fwdbwd(client, model_id: str, seq_id: int):
         model_input=types.ModelInput.from_ints([1, 2, 3]),
         loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
     )
-    req = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-        model_id=model_id,
-        seq_id=seq_id,
-    )
-    body = forward_backward_request_to_proto(req).SerializeToString()
-    r = client.post(
-        "/api/v1/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"}
-    )
+    r = post_fwdbwd(client, None, fwdbwd_body(model_id, seq_id, [datum]))
     assert r.status_code == 200, r.text
     return r.json()["request_id"]
 

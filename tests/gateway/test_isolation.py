@@ -5,48 +5,34 @@ checkpoint can be sampled and loaded by B, but deleted only by its owner."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from gateway.db import make_engine
-from tests.gateway.accounts_env import (
-    BASE,
-    build_engines,
-    fwdbwd,
-    make_app,
-    model,
-    new_key,
-    session,
-    wait,
-)
+from tests.gateway.harness import BASE, fwdbwd, model, session, wait_future
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    data = Path(tmp_path_factory.mktemp("iso"))
-    db_url = f"sqlite:///{data / 'twinkle.db'}"
-    engines = build_engines(data, 1)[0]
-    with TestClient(make_app(data, db_url, engines)) as c:
-        a = new_key(db_url, "alice", org="org-a")
-        b = new_key(db_url, "bob", org="org-b")
+def world(make_gateway):
+    with make_gateway() as gw:
+        c, db_url = gw.client, gw.db_url
+        a = gw.key("alice", org="org-a")
+        b = gw.key("bob", org="org-b")
         ha = {"X-API-Key": a}
         sid = session(c, a)
         mid = model(c, a, sid)
         fut = fwdbwd(c, a, mid, 1).json()
-        wait(c, a, fut)
+        wait_future(c, a, fut)
         saved = c.post(
             "/api/v1/save_weights", headers=ha, json={"model_id": mid, "seq_id": 2, "path": "ck"}
         ).json()
-        path = wait(c, a, saved)["path"]
+        path = wait_future(c, a, saved)["path"]
         sp = c.post(
             "/api/v1/save_weights_for_sampler",
             headers=ha,
             json={"model_id": mid, "seq_id": 3, "path": "sp"},
         ).json()
-        sampler_path = wait(c, a, sp)["path"]
+        sampler_path = wait_future(c, a, sp)["path"]
         smp = c.post(
             "/api/v1/create_sampling_session",
             headers=ha,
@@ -223,7 +209,7 @@ def test_tenant_b_gets_404_for_every_verb_on_tenant_a_objects(world) -> None:
         == 200
     )
     r = fwdbwd(c, world["a"], world["mid"], world["next_seq"])
-    assert r.status_code == 200 and wait(c, world["a"], r.json()).status_code == 200
+    assert r.status_code == 200 and wait_future(c, world["a"], r.json()).status_code == 200
     world["next_seq"] += 1
     assert c.get(f"/api/v1/training_runs/{world['mid']}/checkpoints", headers=ha).json()[
         "checkpoints"
@@ -274,7 +260,7 @@ def test_published_checkpoint_is_readable_by_all_but_changed_only_by_its_owner(w
         json={"path": world["path"], "session_id": b_sid, "model_seq_id": 0},
     )
     assert r.status_code == 200, r.text
-    assert wait(c, world["b"], r.json())["model_id"].startswith(b_sid)
+    assert wait_future(c, world["b"], r.json())["model_id"].startswith(b_sid)
     r = c.delete(f"/api/v1/training_runs/{world['mid']}/checkpoints/weights/ck", headers=hb)
     assert r.status_code == 404
     ha = {"X-API-Key": world["a"]}

@@ -6,26 +6,17 @@ key."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.accounts_env import build_engines, create_model, make_app, new_key, set_quota
-
-
-def _client(tmp_path_factory, **gateway: object):
-    data = Path(tmp_path_factory.mktemp("metrics"))
-    db_url = f"sqlite:///{data / 'twinkle.db'}"
-    return db_url, TestClient(make_app(data, db_url, build_engines(data, 1)[0], **gateway))
+from tests.gateway.harness import create_model, new_key, set_quota
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    db_url, client = _client(tmp_path_factory)
-    with client as c:
-        yield db_url, c
+def env(make_gateway):
+    with make_gateway() as gw:
+        yield gw.db_url, gw.client
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset], float]:
@@ -93,17 +84,16 @@ def test_odd_methods_collapse_into_one_label(env) -> None:
     assert "BREW" not in methods and "other" in methods
 
 
-def test_metrics_can_be_switched_off(tmp_path_factory) -> None:
-    _, client = _client(tmp_path_factory, metrics_enabled=False)
-    with client as c:
-        assert c.get("/metrics").status_code == 404
+def test_metrics_can_be_switched_off(make_gateway) -> None:
+    with make_gateway(gateway={"metrics_enabled": False}) as gw:
+        assert gw.client.get("/metrics").status_code == 404
 
 
-def test_metrics_can_require_an_admin_key(tmp_path_factory) -> None:
-    db_url, client = _client(tmp_path_factory, metrics_require_admin=True)
-    with client as c:
-        user = new_key(db_url, "ulla", org="acme")
-        admin = new_key(db_url, "root", org="ops", scope="admin")
+def test_metrics_can_require_an_admin_key(make_gateway) -> None:
+    with make_gateway(gateway={"metrics_require_admin": True}) as gw:
+        c = gw.client
+        user = gw.key("ulla", org="acme")
+        admin = gw.key("root", org="ops", scope="admin")
         assert c.get("/metrics").status_code == 401
         assert c.get("/metrics", headers={"X-API-Key": user}).status_code == 403
         r = c.get("/metrics", headers={"X-API-Key": admin})

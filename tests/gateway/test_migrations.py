@@ -28,6 +28,7 @@ from gateway.db import (
     make_engine,
     upgrade_to_head,
 )
+from tests.gateway.harness import fresh_postgres_db
 
 TABLES = {
     "users",
@@ -43,20 +44,6 @@ TABLES = {
     "audit_events",
 }
 HEAD = "0002_accounts"
-
-
-def fresh_postgres_db(server_url: str) -> str:
-    """A new empty database on the test Postgres server; returns its URL."""
-    import uuid
-
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    finally:
-        admin.dispose()
-    return server_url.rsplit("/", 1)[0] + "/" + name
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

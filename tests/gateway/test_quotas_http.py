@@ -11,20 +11,19 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
 from engine.errors import ConfigError
-from gateway.config import ServerConfig
-from tests.gateway.accounts_env import (
+from gateway.config import ServerConfig, check_replicas_share_state
+from tests.gateway.harness import (
     build_engines,
     create_model,
     fwdbwd,
-    make_app,
     model,
     new_key,
     session,
     set_quota,
-    wait,
+    sqlite_url,
+    wait_future,
 )
 
 
@@ -35,27 +34,29 @@ def model_dir(tmp_path_factory) -> Path:
     return data
 
 
-@pytest.fixture(params=["memory", "redis"])
-def replicas(request, tmp_path, model_dir):
+@pytest.fixture
+def replicas(make_gateway, each_kv, tmp_path, model_dir):
     """(db_url, [TestClient, ...]): one app in process, or two apps sharing one Redis. Engines
     are per test: the Trainer's scheduler belongs to the event loop of the app that drives it."""
-    db_url = f"sqlite:///{tmp_path / 'twinkle.db'}"
-    gateway: dict = {}
-    n = 1
-    if request.param == "redis":
-        url = request.getfixturevalue("redis_url")
-        import redis
-
-        redis.Redis.from_url(url).flushdb()
-        gateway = {"redis_url": url, "num_replicas": 2}
-        n = 2
+    db_url = sqlite_url(tmp_path)
+    n = 2 if each_kv == "redis" else 1
+    gateway = {"num_replicas": 2} if n == 2 else {}
     engines = build_engines(model_dir, n)
     with ExitStack() as stack:
-        clients = [
-            stack.enter_context(TestClient(make_app(tmp_path, db_url, engines[i], **gateway)))
+        gws = [
+            stack.enter_context(
+                make_gateway(
+                    kv=each_kv,
+                    data=tmp_path,
+                    db_url=db_url,
+                    engines=engines[i],
+                    gateway=gateway,
+                    flush_kv=i == 0,
+                )
+            )
             for i in range(n)
         ]
-        yield db_url, clients
+        yield db_url, [gw.client for gw in gws]
 
 
 def test_fifty_concurrent_create_model_calls_against_a_cap_of_three(replicas) -> None:
@@ -77,7 +78,10 @@ def test_fifty_concurrent_create_model_calls_against_a_cap_of_three(replicas) ->
     assert "max_training_clients" in body["detail"] and "limit 3" in body["detail"]
     assert denied[0].headers["x-should-retry"] == "false"
     for i, r in ok:  # the three that fit really were created (on the replica that took them)
-        assert wait(clients[i % len(clients)], key, r.json())["model_id"] == r.json()["model_id"]
+        assert (
+            wait_future(clients[i % len(clients)], key, r.json())["model_id"]
+            == r.json()["model_id"]
+        )
     # another organization is not affected; finishing the session frees the slots
     other = new_key(db_url, "zed", org="other")
     model(clients[-1], other, session(clients[-1], other))
@@ -124,11 +128,11 @@ def test_tokens_per_minute_holds_within_5_percent_under_8_concurrent_clients(rep
     # by the SDK for minutes): the future carries the 403 message
     big = fwdbwd(clients[0], key, models[0], results[0][0] // chunk + 1, limit + 1)
     assert big.status_code == 200, big.text
-    res = wait(clients[0], key, big.json())
+    res = wait_future(clients[0], key, big.json())
     assert res["category"] == "user" and "train_tokens_per_minute" in res["error"]
     assert f"limit {limit}" in res["error"]
     for i, fut in last.items():  # drain the engine before teardown (futures run in order)
-        wait(clients[i % len(clients)], key, fut)
+        wait_future(clients[i % len(clients)], key, fut)
 
 
 def test_lora_rank_and_checkpoint_caps(replicas, tmp_path) -> None:
@@ -149,7 +153,7 @@ def test_lora_rank_and_checkpoint_caps(replicas, tmp_path) -> None:
             "/api/v1/save_weights", headers=h, json={"model_id": mid, "seq_id": seq, "path": name}
         )
         assert r.status_code == 200, r.text
-        return wait(c, key, r.json())
+        return wait_future(c, key, r.json())
 
     assert save(1, "a")["path"].endswith("/weights/a")
     over = save(2, "b")  # the cap fails this seq_id in order, as a user error
@@ -160,7 +164,7 @@ def test_lora_rank_and_checkpoint_caps(replicas, tmp_path) -> None:
         headers=h,
         json={"model_id": mid, "seq_id": 3, "path": "a", "overwrite": True},
     )
-    assert "path" in wait(c, key, r.json())  # overwriting a kept checkpoint fits its slot
+    assert "path" in wait_future(c, key, r.json())  # overwriting a kept checkpoint fits its slot
     d = c.delete(f"/api/v1/training_runs/{mid}/checkpoints/weights/a", headers=h)
     assert d.status_code == 200, d.text
     assert save(4, "b")["path"].endswith("/weights/b")
@@ -175,23 +179,26 @@ def test_lora_rank_and_checkpoint_caps(replicas, tmp_path) -> None:
     time.sleep(1.2)
     listed = c.get(f"/api/v1/training_runs/{mid}/checkpoints", headers=h).json()["checkpoints"]
     assert listed == []  # the listing purged the expired checkpoint
-    time.sleep(0.3)  # its quota release runs as a task on the app's loop right after deletion
-    got = save(6, "c")
+    # its quota release runs as a task on the app's loop right after deletion: polled (each try a
+    # new seq_id; a denied one fails in order) rather than a fixed pause a loaded host may outrun
+    seq, deadline = 6, time.monotonic() + 30
+    got = save(seq, "c")
+    while "max_checkpoints" in got.get("error", "") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seq += 1
+        got = save(seq, "c")
     assert got.get("path", "").endswith("/weights/c"), got
 
 
 def test_more_than_one_gateway_replica_needs_redis() -> None:
-    """Checked by `twinkle serve` once the environment is known: TWINKLE_REDIS_URL counts too."""
-    from gateway.config import check_replicas_share_state
-
     two = ServerConfig.from_dict({"gateway": {"num_replicas": 2}})
     with pytest.raises(ConfigError) as ei:
         check_replicas_share_state(None, two)
-    assert "gateway.redis_url" in str(ei.value) and "TWINKLE_REDIS_URL" in str(ei.value)
-    check_replicas_share_state("redis://h:6379/0", two)  # the variable alone is enough
+    assert "redis_url" in str(ei.value) and "TWINKLE_REDIS_URL" in str(ei.value)
     ok = ServerConfig.from_dict({"gateway": {"num_replicas": 2, "redis_url": "redis://h:6379/0"}})
-    check_replicas_share_state(None, ok)
     assert ok.gateway.num_replicas == 2
+    check_replicas_share_state(None, ok)
+    check_replicas_share_state("redis://h:6379/0", two)  # TWINKLE_REDIS_URL counts too
 
 
 def test_sample_token_rate_covers_tinker_and_openai_sampling(replicas) -> None:
@@ -208,7 +215,7 @@ def test_sample_token_rate_covers_tinker_and_openai_sampling(replicas) -> None:
     }
     r = c.post("/api/v1/asample", headers=h, json=body)  # charges 4 + 6, refunds the unused
     assert r.status_code == 200, r.text
-    wait(c, key, r.json())
+    wait_future(c, key, r.json())
     statuses = []
     for _ in range(12):
         r = c.post(

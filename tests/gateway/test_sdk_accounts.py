@@ -15,16 +15,16 @@ import tinker
 import uvicorn
 from tinker import types
 
-from tests.gateway.accounts_env import BASE, build_engines, make_app, new_key
+from tests.gateway.harness import BASE, build_engines, make_app, new_key, sqlite_url
 from tests.services import free_port
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data = Path(tmp_path_factory.mktemp("sdk"))
-    db_url = f"sqlite:///{data / 'twinkle.db'}"
+    db_url = sqlite_url(data)
     engines = build_engines(data, 1)[0]
-    app = make_app(data, db_url, engines, jwt_enabled=True, jwt_ttl_seconds=300)
+    app = make_app(data, db_url, engines, gateway={"jwt_enabled": True, "jwt_ttl_seconds": 300})
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)

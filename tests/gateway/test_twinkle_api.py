@@ -8,32 +8,17 @@ input that name the problem.
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 import twinkle_client
 from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
 from twinkle_client.sampler import vLLMSampler
 
 from engine.base_models.registry import resolve_model_dir
 from engine.local.model import MultiLoraTransformersModel as LocalModel
-from engine.sampler import Sampler
-from engine.trainer import Trainer
-from gateway.accounts.service import create_user_and_key
-from gateway.config import ServerConfig
-from gateway.db import make_engine, session_scope, upgrade_to_head
-from gateway.engine_client import EngineClient
-from gateway.main import create_app
-from gateway.settings import Settings
 from tests.twinkle_scripts import BASE, dpo_step, grpo_step, hf_data, sft_script
 
 
@@ -49,30 +34,23 @@ class _Transport(httpx.BaseTransport):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    data = Path(tmp_path_factory.mktemp("data"))
-    settings = Settings(data_dir=data, database_url=f"sqlite:///{data}/twinkle.db")
-    upgrade_to_head(settings.database_url)
-    with session_scope(make_engine(settings.database_url)) as s:
-        keys = {u: create_user_and_key(s, user_name=u, admin=False) for u in ("alice", "bob")}
-    config = ServerConfig(long_poll_seconds=0.5)
-    m = config.models[0]
-    engines = {BASE: {"trainer": Trainer(m, str(data)), "sampler": Sampler(m, str(data))}}
-    app = create_app(settings, config, EngineClient(engines, ray_handles=False))
-    with TestClient(app) as tc:
+def env(make_gateway):
+    gw = make_gateway()
+    data, tc = gw.data, gw.client
+    keys = {u: gw.key(u) for u in ("alice", "bob")}
 
-        def client(user: str, **kw) -> twinkle_client.TwinkleClient:
-            kw.setdefault("heartbeat_interval", None)
-            return twinkle_client.TwinkleClient(
-                "http://testserver", keys[user], transport=_Transport(tc._transport), **kw
-            )
+    def client(user: str, **kw) -> twinkle_client.TwinkleClient:
+        kw.setdefault("heartbeat_interval", None)
+        return twinkle_client.TwinkleClient(
+            "http://testserver", keys[user], transport=_Transport(tc._transport), **kw
+        )
 
-        yield {
-            "tc": tc,
-            "client": client,
-            "keys": keys,
-            "model_dir": resolve_model_dir(BASE, data),
-        }
+    yield {
+        "tc": tc,
+        "client": client,
+        "keys": keys,
+        "model_dir": resolve_model_dir(BASE, data),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,10 @@
-"""Unit-test fixtures: offline HF settings, 2 torch threads, one tiny model built per session."""
+"""Unit-test fixtures: 2 torch threads, one tiny model built per session."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import pytest  # noqa: E402
+import pytest
 
 
 def _torch_threads() -> None:

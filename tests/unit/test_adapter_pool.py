@@ -8,25 +8,13 @@ import asyncio
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec
+from engine.protocol import AdamParams, ForwardBackwardInput, LoraSpec
 from engine.trainer import Trainer
+from tests.factories import random_batch
 
 
 def _data(seed: int) -> ForwardBackwardInput:
-    rng = np.random.default_rng(seed)
-    data = []
-    for _ in range(2):
-        toks = rng.integers(5, 1500, size=9)
-        data.append(
-            DatumInput(
-                tokens=toks[:-1].tolist(),
-                loss_fn_inputs={
-                    "target_tokens": toks[1:].astype(np.int64),
-                    "weights": rng.uniform(0.5, 1.5, 8).astype(np.float32),
-                },
-            )
-        )
-    return ForwardBackwardInput(data=data)
+    return random_batch(seed, 2, 8, weights=(0.5, 1.5))
 
 
 def _trajectories(model_dir, data_dir, capacity: int, n_adapters: int = 4, steps: int = 4):

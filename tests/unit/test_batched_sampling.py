@@ -11,29 +11,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from engine.backends.lora import (
-    adapter_parameters,
-    add_adapter,
-    inject_multi_lora,
     lora_layers,
-    save_adapter,
 )
 from engine.backends.sample_decode import adapter_segments
 from engine.backends.sample_torch import TorchSamplingBackend
-from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import CheckpointError, EngineError, UserInputError
 from engine.protocol import (
-    AdamParams,
-    DatumInput,
-    ForwardBackwardInput,
     LoraSpec,
     SampleInput,
     SampleOutput,
     SamplingParams,
 )
 from engine.sampler import Sampler
+from tests.factories import random_adapter, trained_adapter
 
 TEXTS = [
     "User: what is 12 plus 13? Assistant:",
@@ -50,49 +42,21 @@ def sampler(tiny_model_dir: Path) -> TorchSamplingBackend:
     return TorchSamplingBackend(str(tiny_model_dir))
 
 
-def _perturbed(model_dir: Path, out: Path, seed: int, spec: LoraSpec) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    inject_multi_lora(model)
-    add_adapter(model, "p", spec)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for k, p in adapter_parameters(model, "p").items():
-            if "lora_B" in k:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    out.mkdir(parents=True, exist_ok=True)
-    save_adapter(model, "p", spec, out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir: Path, tmp_path_factory, sampler) -> list[Path]:
     """Four checkpoints: one trained by the training backend, three perturbed with different
     ranks and target sets."""
     root = tmp_path_factory.mktemp("batched-ckpt")
-    be = TransformersTrainingBackend(str(tiny_model_dir))
-    be.create_adapter("t", LoraSpec(rank=8, seed=1))
-    data = []
-    for text in ("User: what is 12 plus 13? Assistant: 25.", "User: hi Assistant: hello!"):
-        ids = np.array(sampler.tokenizer(text)["input_ids"])
-        data.append(
-            DatumInput(
-                ids[:-1].tolist(), {"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1)}
-            )
-        )
-    for _ in range(30):
-        be.forward_backward("t", ForwardBackwardInput(data=data))
-        be.optim_step("t", AdamParams(learning_rate=5e-3, grad_clip_norm=1.0))
-    trained = root / "trained"
-    be.save_state("t", str(trained), include_optimizer=False)
+    chats = ("User: what is 12 plus 13? Assistant: 25.", "User: hi Assistant: hello!")
+    ids = [sampler.tokenizer(text)["input_ids"] for text in chats]
+    trained = trained_adapter(tiny_model_dir, ids, root / "trained", 30)
     specs = [
         LoraSpec(rank=4, alpha=8.0, seed=5),
         LoraSpec(rank=2, alpha=4.0, seed=6, train_mlp=False),
         LoraSpec(rank=16, alpha=16.0, seed=7, train_attn=False, train_unembed=False),
     ]
     return [trained] + [
-        _perturbed(tiny_model_dir, root / f"perturbed-{i}", 10 + i, spec)
+        random_adapter(tiny_model_dir, root / f"perturbed-{i}", 10 + i, spec)
         for i, spec in enumerate(specs)
     ]
 

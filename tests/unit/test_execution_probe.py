@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -23,18 +22,36 @@ def _adapter_ids_in_model(be: TransformersTrainingBackend) -> set[str]:
     return {aid for layer in lora_layers(be.model) for aid in layer.adapters}
 
 
-def test_returns_sane_numbers_and_a_choice(backend):
-    t0 = time.perf_counter()
-    costs = measure_execution_costs(backend)
-    elapsed = time.perf_counter() - t0
+def test_returns_sane_numbers_and_a_choice(backend, monkeypatch):
+    """The start-up cost is bounded by counted work, not wall time (a loaded host may take any
+    time): one warm-up and ``repeats`` timed runs of each mode, each on ``batch`` x ``seq_len``
+    tokens per adapter. The wall-clock figure (< 2 s on an idle 2-core CPU) is printed by
+    benchmarks/scheduling.py."""
+    calls = {"fused": 0, "sequential": 0, "tokens": 0}
+    real_many, real_one = backend.forward_backward_many, backend.forward_backward
+
+    def many(items):
+        calls["fused"] += 1
+        calls["tokens"] += sum(len(d.tokens) for _, inp in items for d in inp.data)
+        return real_many(items)
+
+    def one(aid, inp):
+        calls["sequential"] += 1
+        calls["tokens"] += sum(len(d.tokens) for d in inp.data)
+        return real_one(aid, inp)
+
+    monkeypatch.setattr(backend, "forward_backward_many", many)
+    monkeypatch.setattr(backend, "forward_backward", one)
+    costs = measure_execution_costs(backend, n_adapters=2, batch=2, seq_len=64, repeats=2)
     assert set(costs) == {"fused_s", "sequential_s", "fused_speedup", "choice"}
     for key in ("fused_s", "sequential_s"):
         assert isinstance(costs[key], float)
-        assert 0 < costs[key] < 10, costs
+        assert 0 < costs[key] < math.inf, costs
     assert math.isclose(costs["fused_speedup"], costs["sequential_s"] / costs["fused_s"])
     assert costs["choice"] in ("fused", "sequential")
     assert (costs["choice"] == "fused") == (costs["fused_speedup"] >= MIN_SPEEDUP)
-    assert elapsed < 10  # < 2 s on an idle 2-core CPU; generous for a loaded CI machine
+    # (1 warm-up + 2 repeats) fused calls over 2 adapters, the same work adapter by adapter
+    assert calls == {"fused": 3, "sequential": 3 * 2, "tokens": 2 * 3 * 2 * 2 * 64}
 
 
 def test_leaves_no_adapter_and_does_not_touch_existing_ones(backend):

@@ -1,33 +1,18 @@
-"""Fairness across tenants: a tenant sending 8× larger batches does not starve a small tenant."""
+"""Fairness across tenants: a tenant sending 8× larger batches does not starve a small tenant.
+Checked on the scheduler's pick order and counted tokens; the wall-clock latency ratios are
+printed by benchmarks/scheduling.py."""
 
 from __future__ import annotations
 
 import asyncio
-import statistics
-import time
 
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec
-from engine.scheduling.fair import FairScheduler
+from engine.protocol import AdamParams, LoraSpec
+from engine.scheduling.fair import FIXED_COST, FairScheduler
 from engine.trainer import Trainer
-
-
-def _batch(rng, n: int, length: int) -> ForwardBackwardInput:
-    data = []
-    for _ in range(n):
-        toks = rng.integers(5, 1500, size=length + 1)
-        data.append(
-            DatumInput(
-                tokens=toks[:-1].tolist(),
-                loss_fn_inputs={
-                    "target_tokens": toks[1:].astype(np.int64),
-                    "weights": np.ones(length, np.float32),
-                },
-            )
-        )
-    return ForwardBackwardInput(data=data)
+from tests.factories import random_batch
 
 
 def test_drr_alternates_by_tokens_not_by_requests():
@@ -45,92 +30,111 @@ def test_drr_alternates_by_tokens_not_by_requests():
     assert "".join("B" if o == "big" else "s" for o in order) == "BBsssssBsBBB"
 
 
-def _contended_latencies(tiny_model_dir, steps: int, think_fraction: float):
-    """Median small-tenant step latency solo and next to a tenant with 8x larger batches.
-
-    A step is forward_backward + optim_step submitted together (as the SDK pipelines them),
-    timed from submission until both results are back. Between steps the small tenant's client
-    "thinks" for ``think_fraction`` of its solo step (data loading, the HTTP round trips of
-    retrieve_future): a real client is never backlogged without a gap.
-    """
+def _contended_schedule(tiny_model_dir, steps: int, think_s: float) -> list[tuple]:
+    """The real Trainer (sequential execution, 128-token slices) with a small tenant (8 x 32 =
+    256 tokens per step) next to a backlogged big one (64 x 32 = 2048 tokens, 8x larger). A step
+    is forward_backward + optim_step submitted together (as the SDK pipelines them); the small
+    client pauses ``think_s`` between steps. Returns the scheduler's log, in order:
+    ("enqueue", tenant, label) when a job is queued and ("run", tenant, cost, label) when it starts
+    on the compute thread. Counted work, not wall time: a loaded host changes when things happen,
+    not which job the scheduler picks next."""
     rng = np.random.default_rng(0)
-    small = _batch(rng, 8, 32)  # 256 tokens
-    big = _batch(rng, 64, 32)  # 8x larger: 2048 tokens
-    # sequential execution: the scheduler's choices alone decide the latency (with fused
-    # execution a small job rides in a batch with a big tenant's slice; `auto` picks either,
-    # depending on a timing taken at start-up)
+    small = random_batch(rng, 8, 32)
+    big = random_batch(rng, 64, 32)
     cfg = ModelConfig(
         name="twinkle/tiny-chat",
         path=str(tiny_model_dir),
         slice_tokens=128,
         execution="sequential",
     )
-
-    async def run_small(tr: Trainer, latencies: list[float], think: float) -> None:
-        for i in range(steps):
-            t0 = time.perf_counter()
-            fb = tr.forward_backward("s", 2 * i + 1, small)
-            opt = tr.optim_step("s", 2 * i + 2, AdamParams(learning_rate=1e-3))
-            await asyncio.gather(fb, opt)
-            latencies.append(time.perf_counter() - t0)
-            if think:
-                await asyncio.sleep(think)
-
-    async def run_big(tr: Trainer, stop: asyncio.Event) -> int:
-        i = 0
-        while not stop.is_set():
-            fb = tr.forward_backward("b", 2 * i + 1, big)
-            opt = tr.optim_step("b", 2 * i + 2, AdamParams(learning_rate=1e-3))
-            await asyncio.gather(fb, opt)
-            i += 1
-        return i
+    log: list[tuple] = []
 
     async def main():
         tr = Trainer(cfg, str(tiny_model_dir.parent))
+        real_run = tr._sched.run
+
+        def run(tenant, model_id, cost, fn, label="", fuse_item=None):
+            def logged():
+                log.append(("run", tenant, cost, label))
+                return fn()
+
+            log.append(("enqueue", tenant, label))
+            return real_run(tenant, model_id, cost, logged, label, fuse_item)
+
+        tr._sched.run = run
         await tr.create_adapter("s", LoraSpec(rank=4, seed=1), tenant="small")
         await tr.create_adapter("b", LoraSpec(rank=4, seed=2), tenant="big")
-        warm: list[float] = []
-        await run_small(tr, warm, 0.0)  # first steps allocate optimizer state, warm caches
-        solo: list[float] = []
-        tr._seq.start("s", 1)
-        await run_small(tr, solo, 0.0)
-        think = think_fraction * statistics.median(solo)
-        tr._seq.start("s", 1)  # a fresh sequence for the contended run
-        contended: list[float] = []
         stop = asyncio.Event()
-        big_task = asyncio.create_task(run_big(tr, stop))
-        await asyncio.sleep(0.05)  # the big tenant is already busy when the small one arrives
-        await run_small(tr, contended, think)
+
+        async def run_big() -> None:
+            i = 0
+            while not stop.is_set():
+                fb = tr.forward_backward("b", 2 * i + 1, big)
+                opt = tr.optim_step("b", 2 * i + 2, AdamParams(learning_rate=1e-3))
+                await asyncio.gather(fb, opt)
+                i += 1
+
+        big_task = asyncio.create_task(run_big())
+        while not any(e[0] == "run" and e[1] == "big" for e in log):
+            await asyncio.sleep(0.01)  # the big tenant is busy when the small one arrives
+        log.append(("small-start",))
+        for i in range(steps):
+            log.append(("step", i))
+            fb = tr.forward_backward("s", 2 * i + 1, small)
+            opt = tr.optim_step("s", 2 * i + 2, AdamParams(learning_rate=1e-3))
+            await asyncio.gather(fb, opt)
+            log.append(("done", i))
+            if think_s:
+                await asyncio.sleep(think_s)
         stop.set()
-        big_steps = await big_task
+        await big_task
         tr._sched.shutdown()
-        return solo, contended, big_steps
 
-    solo, contended, big_steps = asyncio.run(main())
-    ratio = statistics.median(contended) / statistics.median(solo)
-    print(
-        f"think {think_fraction:.2f}: median solo {statistics.median(solo):.4f}s "
-        f"contended {statistics.median(contended):.4f}s ratio {ratio:.2f} big_steps {big_steps}"
-    )
-    return ratio, big_steps, solo, contended
+    asyncio.run(main())
+    return log
 
 
-def test_small_tenant_latency_under_8x_neighbour(tiny_model_dir):
-    """The issue's bound: median step latency within 2x solo while a neighbour sends 8x batches.
+def _big_tokens_per_small_step(log: list[tuple]) -> list[int]:
+    """Big-tenant tokens that started between each small step's submission and its end."""
+    out, current = [], None
+    for e in log:
+        if e[0] == "step":
+            current = 0
+        elif e[0] == "done":
+            out.append(current)
+            current = None
+        elif e[0] == "run" and e[1] == "big" and current is not None:
+            current += e[2]
+    return out
 
-    With a client gap between steps (here a quarter of a step) the small tenant is a sparse flow:
-    it is served first for its whole step and waits for at most one 128-token slice of the big
-    tenant. Measured 1.2-1.5 on 2 cores; without DRR and slicing it is about 9.
-    """
-    ratio, big_steps, solo, contended = _contended_latencies(tiny_model_dir, 12, 0.25)
-    assert big_steps >= 1  # the neighbour did make progress
-    assert ratio <= 2.0, (ratio, solo, contended)
+
+def test_small_tenant_waits_for_at_most_one_slice_of_an_8x_neighbour(tiny_model_dir):
+    """A small tenant with a pause between steps is served ahead of a backlogged neighbour that
+    sends 8x larger batches: while its step is queued and runs, the neighbour runs at most the
+    slice already on the worker (128 tokens) plus one DRR turn (a slice and its optim_step, 64),
+    or its new-flow burst (2 quanta + 64) when it is new too (the first step: it had just
+    arrived), never its whole 2048-token step as FIFO would. Measured: [384, 0, 0, ...]: the
+    small tenant's flow is new again after each pause and served first.
+    (The wall-clock figure, median latency 1.2-1.5x solo on 2 cores, is printed by
+    benchmarks/scheduling.py.)"""
+    log = _contended_schedule(tiny_model_dir, 8, think_s=0.02)
+    per_step = _big_tokens_per_small_step(log)
+    assert len(per_step) == 8
+    assert max(per_step) <= 128 + (2 * 128 + FIXED_COST), per_step  # FIFO: 2048 + 64 and more
+    # later steps: on average at most the running slice and one DRR turn
+    assert sum(per_step[1:]) <= 7 * (128 + 128 + FIXED_COST), per_step
+    small_runs = [e for e in log if e[0] == "run" and e[1] == "small"]
+    assert max(e[2] for e in small_runs if e[3] != "optim_step") <= 128  # sliced to the quantum
 
 
-def test_backlogged_small_tenant_gets_its_fair_share(tiny_model_dir):
-    """A small tenant with no gap at all between steps is backlogged like the big one, so DRR
-    gives each half the compute and the small step takes 2x solo by design (token fairness);
-    measured 1.9-2.2. This guards the share (a starved tenant measures ~9x)."""
-    ratio, big_steps, solo, contended = _contended_latencies(tiny_model_dir, 12, 0.0)
-    assert big_steps >= 1
-    assert ratio <= 2.6, (ratio, solo, contended)
+def test_backlogged_small_tenant_gets_its_fair_token_share(tiny_model_dir):
+    """With no pause at all the small tenant is backlogged like the big one, and DRR gives both
+    the same tokens per round: while the small tenant runs its steps the neighbour gets about as
+    many tokens, not 8x (by requests) or everything (starvation). Per small step of 320 tokens
+    (2 slices + optim_step) the neighbour runs the slice on the worker plus one round's credit
+    (< 2 quanta: 2 slices, or a slice and its optim_step). Measured: [384, 256, 384, 256, ...]."""
+    log = _contended_schedule(tiny_model_dir, 8, think_s=0.0)
+    per_step = _big_tokens_per_small_step(log)
+    assert len(per_step) == 8
+    assert sum(per_step) >= 128, per_step  # the neighbour did make progress alongside
+    assert max(per_step) <= 128 + 2 * 128 + FIXED_COST, per_step

@@ -1,50 +1,32 @@
 """TorchSamplingBackend: greedy == HF generate (base and peft-loaded adapters), seeded sampling,
-stop handling, logprobs vs a forward pass, adapter LRU cache, validation, `sample` is
-`sample_many` of one request (batched sampling itself: test_batched_sampling.py)."""
+stop handling, adapter LRU cache, validation, `sample` is `sample_many` of one request (logprobs:
+test_torch_sampler_logprobs.py; batched sampling itself: test_batched_sampling.py)."""
 
 from __future__ import annotations
 
-import math
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from engine.backends.lora import adapter_parameters, add_adapter, inject_multi_lora, save_adapter
 from engine.backends.sample_torch import TorchSamplingBackend, _filter_logits
-from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import CheckpointError, UserInputError
 from engine.protocol import (
-    AdamParams,
-    DatumInput,
-    ForwardBackwardInput,
-    LoraSpec,
     SampleInput,
     SamplingParams,
 )
-
-CHATS = [
-    "User: what is 12 plus 13? Assistant: 25.",
-    "User: what is the capital of France? Assistant: The capital of France is Paris.",
-    "User: describe Alice's pet. Assistant: Alice has a red cat that likes to sleep in the sun.",
-]
-
-
-def _hf(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
-
-
-def _peft(model_dir: Path, adapter_dir: Path):
-    from peft import PeftModel
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return PeftModel.from_pretrained(_hf(model_dir), str(adapter_dir)).eval()
+from tests import factories
+from tests.factories import random_adapter
+from tests.unit.torch_sampler_helpers import (
+    CHATS,
+    _hf,
+    _hf_greedy,
+    _peft,
+    _prompt,
+    _sample,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,69 +37,14 @@ def sampler(tiny_model_dir: Path) -> TorchSamplingBackend:
 @pytest.fixture(scope="module")
 def trained_adapter(tiny_model_dir: Path, tmp_path_factory, sampler) -> Path:
     """A checkpoint from the training backend, trained on a few chat lines."""
-    be = TransformersTrainingBackend(str(tiny_model_dir))
-    be.create_adapter("t", LoraSpec(rank=8, seed=1))
-    data = []
-    for text in CHATS:
-        ids = np.array(sampler.tokenizer(text)["input_ids"])
-        data.append(
-            DatumInput(
-                ids[:-1].tolist(), {"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1)}
-            )
-        )
-    for _ in range(60):
-        be.forward_backward("t", ForwardBackwardInput(data=data))
-        be.optim_step("t", AdamParams(learning_rate=5e-3, grad_clip_norm=1.0))
+    ids = [sampler.tokenizer(text)["input_ids"] for text in CHATS]
     out = tmp_path_factory.mktemp("ckpt") / "trained"
-    be.save_state("t", str(out), include_optimizer=False)
-    return out
-
-
-def _perturbed_adapter(model_dir: Path, out: Path, seed: int) -> Path:
-    model = _hf(model_dir)
-    inject_multi_lora(model)
-    spec = LoraSpec(rank=4, alpha=8.0, seed=seed)
-    add_adapter(model, "p", spec)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for k, p in adapter_parameters(model, "p").items():
-            if "lora_B" in k:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    out.mkdir(parents=True, exist_ok=True)
-    save_adapter(model, "p", spec, out)
-    return out
+    return factories.trained_adapter(tiny_model_dir, ids, out, 60)
 
 
 @pytest.fixture(scope="module")
 def perturbed_adapter(tiny_model_dir: Path, tmp_path_factory) -> Path:
-    return _perturbed_adapter(tiny_model_dir, tmp_path_factory.mktemp("ckpt") / "perturbed", seed=5)
-
-
-def _prompt(sampler, text: str = "User: what is 12 plus 13? Assistant:") -> list[int]:
-    return sampler.tokenizer(text)["input_ids"]
-
-
-def _sample(sampler, prompt, adapter=None, n=1, prompt_logprobs=False, **params):
-    inp = SampleInput(
-        prompt_tokens=prompt,
-        num_samples=n,
-        params=SamplingParams(**params),
-        prompt_logprobs=prompt_logprobs,
-        adapter_dir=str(adapter) if adapter else None,
-    )
-    return sampler.sample(inp)
-
-
-def _hf_greedy(model, prompt, max_new_tokens) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
+    return random_adapter(tiny_model_dir, tmp_path_factory.mktemp("ckpt") / "perturbed", seed=5)
 
 
 @pytest.mark.parametrize("which", ["base", "trained", "perturbed"])
@@ -155,34 +82,6 @@ def test_trained_adapter_learned_its_data(sampler, trained_adapter) -> None:
     assert sampler.tokenizer.decode(seq.tokens).startswith(" 25.")
 
 
-def test_logprobs_match_forward_pass(tiny_model_dir, sampler, perturbed_adapter) -> None:
-    prompt = _prompt(sampler)
-    out = _sample(
-        sampler,
-        prompt,
-        perturbed_adapter,
-        n=2,
-        prompt_logprobs=True,
-        max_tokens=12,
-        temperature=0.7,
-        top_k=50,
-        seed=11,
-    )
-    ref = _peft(tiny_model_dir, perturbed_adapter)
-    for seq in out.sequences:
-        full = prompt + seq.tokens
-        with torch.no_grad():
-            lp = torch.log_softmax(ref(torch.tensor([full])).logits[0].double(), -1)
-        expected = lp[torch.arange(len(full) - 1), torch.tensor(full[1:])].numpy()
-        np.testing.assert_allclose(seq.logprobs, expected[len(prompt) - 1 :], atol=1e-5, rtol=0)
-        assert len(seq.logprobs) == len(seq.tokens) == 12 and seq.stop_reason == "length"
-    pl = out.prompt_logprobs
-    assert len(pl) == len(prompt) and math.isnan(pl[0])
-    np.testing.assert_allclose(pl[1:], expected[: len(prompt) - 1], atol=1e-5, rtol=0)
-    assert _sample(sampler, prompt[:1], prompt_logprobs=True, max_tokens=1).prompt_logprobs[0] != 0
-    assert _sample(sampler, prompt, max_tokens=1).prompt_logprobs is None
-
-
 def test_seeded_sampling_reproduces(sampler, perturbed_adapter) -> None:
     prompt = _prompt(sampler)
     kw = {"n": 3, "max_tokens": 16, "temperature": 1.0, "stop_at_eos": False}
@@ -211,7 +110,10 @@ def test_seeded_sampling_reproduces(sampler, perturbed_adapter) -> None:
 
 def test_filter_logits() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
-    keep = lambda x: torch.isfinite(x).tolist()
+
+    def keep(x):
+        return torch.isfinite(x).tolist()
+
     assert keep(_filter_logits(logits, 3, 1.0)) == [
         [True, True, True, False],
         [False, True, True, True],
@@ -237,7 +139,10 @@ def test_stop_strings_and_stop_tokens_cut_exactly(sampler, perturbed_adapter) ->
         sampler, prompt, perturbed_adapter, max_tokens=30, temperature=0.0, stop_at_eos=False
     )
     tokens = full.sequences[0].tokens
-    dec = lambda t: sampler.tokenizer.decode(t, skip_special_tokens=False)
+
+    def dec(t):
+        return sampler.tokenizer.decode(t, skip_special_tokens=False)
+
     text = dec(tokens)
     assert len(tokens) == 30 and full.sequences[0].stop_reason == "length"
     b5, b12 = len(dec(tokens[:5])), len(dec(tokens[:12]))
@@ -336,7 +241,7 @@ def test_adapter_cache_lru_and_reload(
     shutil.copytree(perturbed_adapter, moving)
     first = _sample(small, prompt, moving, max_tokens=8, temperature=0.0).sequences[0].tokens
     shutil.rmtree(moving)
-    _perturbed_adapter(tiny_model_dir, moving, seed=6)
+    random_adapter(tiny_model_dir, moving, seed=6)
     second = _sample(small, prompt, moving, max_tokens=8, temperature=0.0).sequences[0].tokens
     assert first == expect[perturbed_adapter] and second != first
     with pytest.raises(CheckpointError):
@@ -392,102 +297,3 @@ def test_sample_is_sample_many_of_one(sampler, perturbed_adapter) -> None:
     assert isinstance(err, UserInputError)
     with pytest.raises(UserInputError, match="top_p"):
         sampler.sample(bad)
-
-
-def test_topk_logprobs_match_forward_pass(tiny_model_dir, sampler, perturbed_adapter) -> None:
-    """Top-k prompt and sampled logprobs equal torch.topk of a float64 forward pass (1e-5), with
-    Tinker's layout: len(prompt) prompt rows, row 0 empty (0, -99999); prompt_logprobs_last_n
-    leaves earlier positions unscored; batching with other requests changes nothing."""
-    prompt = _prompt(sampler)
-    k, ks, last_n = 4, 3, 5
-    inp = SampleInput(
-        prompt_tokens=prompt,
-        num_samples=2,
-        params=SamplingParams(max_tokens=10, temperature=0.8, seed=5),
-        prompt_logprobs=True,
-        topk_prompt_logprobs=k,
-        topk_sample_logprobs=ks,
-        prompt_logprobs_last_n=last_n,
-        adapter_dir=str(perturbed_adapter),
-    )
-    out = sampler.sample(inp)
-    ref = _peft(tiny_model_dir, perturbed_adapter)
-    n = len(prompt)
-    for seq in out.sequences:
-        full = prompt + seq.tokens
-        with torch.no_grad():
-            lp = torch.log_softmax(ref(torch.tensor([full])).logits[0].double(), -1)
-        top = lp.topk(k, dim=-1)
-        # prompt rows: position i is predicted by row i - 1 of the forward pass
-        tp = out.topk_prompt
-        assert tp.token_ids.shape == (n, k) and tp.token_ids.dtype == np.int32
-        unscored = n - last_n
-        assert (tp.token_ids[:unscored] == 0).all() and (tp.logprobs[:unscored] == -99999.0).all()
-        np.testing.assert_array_equal(tp.token_ids[unscored:], top.indices[unscored - 1 : n - 1])
-        np.testing.assert_allclose(
-            tp.logprobs[unscored:], top.values[unscored - 1 : n - 1], atol=1e-5, rtol=0
-        )
-        pl = out.prompt_logprobs
-        assert all(math.isnan(v) for v in pl[:unscored]) and not any(map(math.isnan, pl[unscored:]))
-        # sampled rows: token j is predicted by row n - 1 + j
-        st = seq.topk
-        assert st.token_ids.shape == (len(seq.tokens), ks)
-        rows = slice(n - 1, n - 1 + len(seq.tokens))
-        np.testing.assert_array_equal(st.token_ids, top.indices[rows, :ks])
-        np.testing.assert_allclose(st.logprobs, top.values[rows, :ks], atol=1e-5, rtol=0)
-        assert (np.diff(st.logprobs, axis=1) <= 0).all()
-    other = SampleInput(prompt_tokens=prompt[:4], params=SamplingParams(max_tokens=3))
-    batched, plain = sampler.sample_many([inp, other])
-    for a, b in zip(batched.sequences, out.sequences, strict=True):
-        assert a.tokens == b.tokens
-        np.testing.assert_array_equal(a.topk.token_ids, b.topk.token_ids)
-    assert plain.topk_prompt is None and plain.sequences[0].topk is None
-
-
-def test_alt_tokens_and_target_prompt_logprobs(tiny_model_dir, sampler, perturbed_adapter) -> None:
-    """target_prompt_logprobs: the named ids' logprobs at each prompt position (0.0 for -1);
-    prompt_alt_tokens_k: draws from the next-token distribution with their logprobs; seeded
-    draws reproduce, and asking for them does not change the sampled sequences."""
-    prompt = _prompt(sampler)
-    n = len(prompt)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, sampler.vocab_size, size=(n - 1, 3))
-    ids[::2, 1] = -1
-    base = dict(
-        prompt_tokens=prompt,
-        params=SamplingParams(max_tokens=6, temperature=0.9, seed=3),
-        adapter_dir=str(perturbed_adapter),
-    )
-    out = sampler.sample(SampleInput(**base, target_prompt_ids=ids, prompt_alt_tokens_k=4))
-    ref = _peft(tiny_model_dir, perturbed_adapter)
-    with torch.no_grad():
-        lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].double(), -1)[: n - 1]
-    expected = lp.gather(-1, torch.tensor(ids).clamp(min=0)).numpy()
-    expected[ids < 0] = 0.0
-    assert out.target_prompt_logprobs.shape == (n - 1, 3)
-    np.testing.assert_allclose(out.target_prompt_logprobs, expected, atol=1e-5, rtol=0)
-    toks, lps = out.prompt_alt_tokens
-    assert toks.shape == lps.shape == (n - 1, 4) and toks.dtype == np.int64
-    np.testing.assert_allclose(lps, lp.gather(-1, torch.tensor(toks)).numpy(), atol=1e-5, rtol=0)
-    again = sampler.sample(SampleInput(**base, target_prompt_ids=ids, prompt_alt_tokens_k=4))
-    np.testing.assert_array_equal(again.prompt_alt_tokens[0], toks)
-    plain = sampler.sample(SampleInput(**base))
-    assert [s.tokens for s in plain.sequences] == [s.tokens for s in out.sequences]
-    assert plain.prompt_alt_tokens is None and plain.target_prompt_logprobs is None
-    greedy = sampler.sample(
-        SampleInput(
-            prompt_tokens=prompt,
-            params=SamplingParams(max_tokens=1, temperature=0),
-            prompt_alt_tokens_k=2,
-        )
-    )
-    with torch.no_grad():
-        base_lp = sampler.model(torch.tensor([prompt])).logits[0, : n - 1]
-    np.testing.assert_array_equal(greedy.prompt_alt_tokens[0][:, 0], base_lp.argmax(-1).numpy())
-    for bad, msg in [
-        (ids[:-1], r"target_prompt_logprobs: shape \[.*\] must be \[len\(prompt\) - 1"),
-        (np.full((n - 1, 2), -1), "at least one token id"),
-        (np.full((n - 1, 1), 99999), "token ids must be -1"),
-    ]:
-        with pytest.raises(UserInputError, match=msg):
-            sampler.sample(SampleInput(prompt_tokens=prompt, target_prompt_ids=bad))

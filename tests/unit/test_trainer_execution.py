@@ -10,25 +10,13 @@ import pytest
 
 from engine.config import ModelConfig
 from engine.errors import UserInputError
-from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec
+from engine.protocol import AdamParams, ForwardBackwardInput, LoraSpec
 from engine.trainer import Trainer
+from tests.factories import random_batch
 
 
 def _batch(seed: int, n: int = 6, length: int = 12) -> ForwardBackwardInput:
-    rng = np.random.default_rng(seed)
-    data = []
-    for _ in range(n):
-        toks = rng.integers(5, 1500, size=length + 1)
-        data.append(
-            DatumInput(
-                tokens=toks[:-1].tolist(),
-                loss_fn_inputs={
-                    "target_tokens": toks[1:].astype(np.int64),
-                    "weights": rng.uniform(-0.5, 1.5, length).astype(np.float32),
-                },
-            )
-        )
-    return ForwardBackwardInput(data=data)
+    return random_batch(seed, n, length, weights=(-0.5, 1.5))
 
 
 def _cfg(model_dir, **kw) -> ModelConfig:

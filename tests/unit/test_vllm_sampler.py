@@ -9,7 +9,7 @@ sampler's decode loop needs the newer cache API of constraints.txt's transformer
 
 Runs only where ``vllm`` is importable: a GPU machine with the `gpu` extra, or the separate CPU venv
 from scripts/vllm_cpu_venv.sh (`.venv-vllm/bin/python -m pytest tests/unit/test_vllm_sampler.py`).
-Elsewhere these tests skip, except `test_vllm_sampler_type_without_vllm_is_a_clear_error`.
+Elsewhere they skip (the configuration without vllm: test_vllm_config.py).
 
 The model is the tiny chat model (engine/base_models/tiny.py) with its attention re-read as 2 heads
 of 32 (1 KV head of 32) instead of 4 of 16 (2 KV heads of 16): the weight shapes are the same, but
@@ -31,15 +31,13 @@ import pytest
 import torch
 
 from engine.backends.lora import (
-    adapter_parameters,
-    add_adapter,
     inject_multi_lora,
     load_adapter,
     lora_routing,
-    save_adapter,
 )
-from engine.errors import CheckpointError, ConfigError, EngineError, UserInputError
+from engine.errors import CheckpointError, EngineError, UserInputError
 from engine.protocol import LoraSpec, SampleInput, SampleOutput, SamplingParams
+from tests.factories import random_adapter
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -75,22 +73,6 @@ def model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
     return out
 
 
-def _adapter(model_dir: Path, out: Path, seed: int, spec: LoraSpec) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    inject_multi_lora(model)
-    add_adapter(model, "p", spec)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for k, p in adapter_parameters(model, "p").items():
-            if "lora_B" in k:  # PEFT init has B = 0: make the adapter change the output
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    out.mkdir(parents=True, exist_ok=True)
-    save_adapter(model, "p", spec, out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(model_dir: Path, tmp_path_factory) -> list[Path]:
     """Four PEFT checkpoints with different ranks and target sets, none on lm_head (vLLM's Qwen2
@@ -102,7 +84,7 @@ def adapters(model_dir: Path, tmp_path_factory) -> list[Path]:
         LoraSpec(rank=8, alpha=8.0, train_mlp=False, train_unembed=False),
         LoraSpec(rank=2, alpha=4.0, train_attn=False, train_unembed=False),
     ]
-    return [_adapter(model_dir, root / f"a{i}", 10 + i, s) for i, s in enumerate(specs)]
+    return [random_adapter(model_dir, root / f"a{i}", 10 + i, s) for i, s in enumerate(specs)]
 
 
 class Reference:
@@ -308,8 +290,8 @@ def test_four_adapters_in_one_batch_equal_one_by_one(vllm_sampler, ref, adapters
 @needs_vllm
 def test_errors_stay_in_their_slot(vllm_sampler, ref, model_dir, tmp_path) -> None:
     tok = ref.tokenizer
-    unembed = _adapter(model_dir, tmp_path / "unembed", 7, LoraSpec(rank=4, alpha=8.0))
-    too_big = _adapter(model_dir, tmp_path / "r16", 8, LoraSpec(rank=16, train_unembed=False))
+    unembed = random_adapter(model_dir, tmp_path / "unembed", 7, LoraSpec(rank=4, alpha=8.0))
+    too_big = random_adapter(model_dir, tmp_path / "r16", 8, LoraSpec(rank=16, train_unembed=False))
     good = _inp(tok, TEXTS[0], max_tokens=5, temperature=0)
     bad = [
         (_inp(tok, TEXTS[0], temperature=-1.0), UserInputError, "sampling_params.temperature"),
@@ -383,41 +365,3 @@ def test_sampler_service_builds_the_vllm_backend_from_config(vllm_sampler, model
         sampler.backend.close()  # the Sampler leaves its backend to the caller
     for inp, out in zip(inputs, outs, strict=True):
         assert out.sequences[0].tokens == ref.greedy(inp.prompt_tokens, None, 8)[0]
-
-
-@pytest.mark.skipif(HAVE_VLLM, reason="checks the error when vllm is missing")
-def test_vllm_sampler_type_without_vllm_is_a_clear_error(tiny_model_dir) -> None:
-    from engine.backends.registry import build_sampling_backend
-    from engine.config import ModelConfig
-
-    cfg = ModelConfig(name="tiny", path=str(tiny_model_dir), sampler_type="vllm")
-    with pytest.raises(ConfigError, match=r"sampler_type 'vllm' needs the vllm package"):
-        build_sampling_backend(cfg, "/nonexistent")
-
-
-def test_sampler_type_config_and_lazy_import() -> None:
-    """`sampler_type` accepts torch and vllm only; importing the backend module (or the Sampler)
-    never imports vllm, so the main venv, which has none, can load the engine."""
-    import subprocess
-    import sys
-
-    from gateway.config import ServerConfig
-
-    ok = ServerConfig.from_dict(
-        {
-            "models": [
-                {
-                    "name": "twinkle/tiny-chat",
-                    "sampler_type": "vllm",
-                    "vllm_engine_args": {"max_loras": 4},
-                }
-            ]
-        }
-    )
-    assert ok.models[0].sampler_type == "vllm" and ok.models[0].vllm_engine_args == {"max_loras": 4}
-    assert ServerConfig.from_dict({}).models[0].sampler_type == "torch"
-    with pytest.raises(ConfigError, match=r"models\.0\.sampler_type"):
-        ServerConfig.from_dict({"models": [{"name": "twinkle/tiny-chat", "sampler_type": "tgi"}]})
-    code = "import sys, engine.sampler, engine.backends.sample_vllm; print('vllm' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
