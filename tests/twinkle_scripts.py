@@ -1,6 +1,7 @@
 """Training scripts written once against the upstream-Twinkle model API and run both in process
-(``engine.local.model.MultiLoraTransformersModel``) and remotely (``twinkle_client.model``): the model
-class is a parameter, exactly what changing the import does. Used by tests/gateway and tests/e2e.
+(``engine.local.model.MultiLoraTransformersModel``) and remotely (``twinkle_client.model``): the
+model class is a parameter, exactly what changing the import does. Used by tests/gateway and
+tests/e2e.
 
 No torch or engine import here, so a torch-free venv can run them too.
 """
@@ -93,7 +94,7 @@ def dpo_step(MultiLoraTransformersModel, model_id: str, data: list[dict], **mode
     model.set_optimizer("AdamW", lr=1e-3, adapter_name="dpo")
     pairs = [data[0], data[1], data[3], data[2]]  # (chosen, rejected) x 2
     ref = model.forward_only(inputs=pairs, adapter_name="dpo", disable_lora=True)["logprobs"]
-    batch = [dict(d, ref_logprobs=[float(x) for x in lp]) for d, lp in zip(pairs, ref)]
+    batch = [dict(d, ref_logprobs=[float(x) for x in lp]) for d, lp in zip(pairs, ref, strict=True)]
     out = model.forward_backward(inputs=batch, adapter_name="dpo")
     step = model.step(adapter_name="dpo")
     return {"loss": out["loss"], "step": step, "metrics": out["metrics"]}
@@ -121,7 +122,7 @@ def grpo_step(MultiLoraTransformersModel, Sampler, model_id: str, **kwargs) -> d
         # reward: longer answers win; the index breaks ties so each group has a spread
         rewards = [len(s.decoded) + 0.1 * j for j, s in enumerate(res.sequences)]
         mean = sum(rewards) / len(rewards)
-        for s, r in zip(res.sequences, rewards):
+        for s, r in zip(res.sequences, rewards, strict=True):
             features.append(dict(s.new_input_feature, advantages=r - mean))
             texts.append(s.decoded or "<empty>")
     out = model.forward_backward(inputs=features, adapter_name="grpo")

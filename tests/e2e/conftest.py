@@ -51,7 +51,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
     )
-    log = open(data_dir / "serve.log", "w")
+    log = open(data_dir / "serve.log", "w")  # noqa: SIM115 (the server writes it until teardown)
     proc = subprocess.Popen(
         [TWINKLE, "serve", "--host", "127.0.0.1", "--port", str(port)],
         env=env,

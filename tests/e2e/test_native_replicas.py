@@ -26,8 +26,9 @@ import httpx
 import numpy as np
 import pytest
 import redis
-import twinkle_client
 import uvicorn
+
+import twinkle_client
 from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

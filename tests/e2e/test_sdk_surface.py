@@ -199,7 +199,7 @@ def test_training_local_methods(trained):
     trained.get_telemetry()
     # get_tokenizer loads `tokenizer_id` from the HF hub; the built-in tiny model is not on the
     # hub, so offline it fails on the client (README: ✗ for the tiny model).
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (hub errors differ by huggingface_hub version)
         trained.get_tokenizer()
 
 
@@ -229,6 +229,6 @@ def test_sampling_handle_pickle_and_local_methods(server, api_key, trained):
     assert unpickled.sample(PROMPT, 1, GREEDY).result().sequences[0].tokens == want
     assert sc.get_base_model() == BASE
     sc.get_telemetry()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (hub errors differ by huggingface_hub version)
         sc.get_tokenizer()  # the tiny model is not on the HF hub (README)
     assert torch.__version__  # forward_backward_custom above needed torch on the client

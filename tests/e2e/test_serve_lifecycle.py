@@ -79,7 +79,7 @@ def test_unknown_config_key_is_an_error_naming_it(tmp_path):
 def test_sigterm_shuts_down_ray_completely(tmp_path):
     port = _free_port()
     env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path))
-    log = open(tmp_path / "serve.log", "w")
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (the server writes it until it stops)
     proc = subprocess.Popen(
         [TWINKLE, "serve", "--port", str(port)],
         env=env,

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import twinkle_client
-from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
-from twinkle_client.sampler import vLLMSampler
 
+import twinkle_client
 from engine.local.model import MultiLoraTransformersModel as LocalModel
 from tests.twinkle_scripts import BASE, dpo_step, grpo_step, hf_data, sft_script
+from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
+from twinkle_client.sampler import vLLMSampler
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

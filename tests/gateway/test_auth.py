@@ -23,7 +23,6 @@ from gateway.accounts.keys import (
     digest_key,
     generate_api_key,
 )
-from gateway.accounts.service import create_user_and_key
 from gateway.db import make_engine, session_scope, upgrade_to_head
 from gateway.db.tables import ApiKeyRow, UserRow, utcnow
 from gateway.errors import AuthenticationError, register_exception_handlers

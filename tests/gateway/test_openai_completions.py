@@ -190,7 +190,7 @@ def test_streaming_is_incremental_and_equals_the_whole_text(env):
     """Chunks are sent while the engine is still generating: the first content arrives well
     before the last, in many chunks, and together they equal the non-streamed text (a stop string
     that is cut must never have been sent)."""
-    kw = dict(model=BASE, messages=MESSAGES, max_tokens=96, temperature=0)
+    kw = {"model": BASE, "messages": MESSAGES, "max_tokens": 96, "temperature": 0}
     whole = oai(env).chat.completions.create(**kw).choices[0].message.content
     t0 = time.perf_counter()
     arrivals: list[tuple[float, str]] = []

@@ -13,13 +13,13 @@ import time
 import httpx
 import numpy as np
 import pytest
-import twinkle_client
-from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
-from twinkle_client.sampler import vLLMSampler
 
+import twinkle_client
 from engine.base_models.registry import resolve_model_dir
 from engine.local.model import MultiLoraTransformersModel as LocalModel
 from tests.twinkle_scripts import BASE, dpo_step, grpo_step, hf_data, sft_script
+from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
+from twinkle_client.sampler import vLLMSampler
 
 
 class _Transport(httpx.BaseTransport):
@@ -246,6 +246,7 @@ def test_bad_input_is_4xx_naming_the_problem(env, alice):
 
 def test_templates_encode_through_the_server(env, alice):
     from tokenizers import Tokenizer
+
     from twinkle_client.dataset import Dataset, dpo_batch
     from twinkle_client.template import Qwen3_5Template, Template
 
@@ -263,7 +264,7 @@ def test_templates_encode_through_the_server(env, alice):
         "<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\nI am Twinkle.<|im_end|>\n"
     )
     assert f["input_ids"] == tok.encode(text, add_special_tokens=False).ids
-    trained = [i for i, lab in zip(f["input_ids"], f["labels"]) if lab != -100]
+    trained = [i for i, lab in zip(f["input_ids"], f["labels"], strict=True) if lab != -100]
     assert tok.decode(trained, skip_special_tokens=False) == "I am Twinkle.<|im_end|>"
     assert f["id"] == 7  # other keys of the row are kept
     short = Qwen3_5Template(BASE, max_length=5, client=alice).encode(traj)

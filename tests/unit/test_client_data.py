@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+
 from twinkle_client import InvalidRequestError
 from twinkle_client._serialize import lora_config_dict, name_of, to_wire
 from twinkle_client.dataloader import DataLoader

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import inspect
 
-from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
-
 from engine.local.model import MultiLoraTransformersModel as LocalModel
+from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
 
 # Public members of the engine class the client legitimately lacks, each with its reason.
 NOT_ON_CLIENT = {

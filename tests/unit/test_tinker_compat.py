@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from tinker.types.checkpoint import ParsedCheckpointTinkerPath
+
 from twinkle_client import init_tinker_client, tinker_compat
 
 

@@ -121,11 +121,11 @@ def test_alt_tokens_and_target_prompt_logprobs(tiny_model_dir, sampler, perturbe
     rng = np.random.default_rng(0)
     ids = rng.integers(0, sampler.vocab_size, size=(n - 1, 3))
     ids[::2, 1] = -1
-    base = dict(
-        prompt_tokens=prompt,
-        params=SamplingParams(max_tokens=6, temperature=0.9, seed=3),
-        adapter_dir=str(perturbed_adapter),
-    )
+    base = {
+        "prompt_tokens": prompt,
+        "params": SamplingParams(max_tokens=6, temperature=0.9, seed=3),
+        "adapter_dir": str(perturbed_adapter),
+    }
     out = sampler.sample(SampleInput(**base, target_prompt_ids=ids, prompt_alt_tokens_k=4))
     ref = _peft(tiny_model_dir, perturbed_adapter)
     with torch.no_grad():

@@ -15,8 +15,8 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 @pytest.mark.skipif(HAVE_VLLM, reason="checks the error when vllm is missing")
 def test_vllm_sampler_type_without_vllm_is_a_clear_error(tiny_model_dir) -> None:
-    from engine.config import ModelConfig
     from engine.backends.registry import build_sampling_backend
+    from engine.config import ModelConfig
 
     cfg = ModelConfig(name="tiny", path=str(tiny_model_dir), sampler_type="vllm")
     with pytest.raises(ConfigError, match=r"sampler_type 'vllm' needs the vllm package"):
