@@ -28,7 +28,7 @@ from gateway.accounts.keys import authenticate_engine
 from gateway.futures.kv import KV, MemoryKV, RedisKV
 from gateway.futures.store import Claim, FutureRecord, FutureStore
 from gateway.middleware import IdempotencyKeyMiddleware, RequestHeadersMiddleware
-from tests.gateway.accounts_env import BASE, build_engines, make_app, new_key, set_quota
+from tests.gateway.harness import BASE, build_engines, make_app, new_key, set_quota
 
 N = 20
 TOKENS = (1, 2, 3)
@@ -70,8 +70,7 @@ def _make_kv(url: str | None) -> KV:
 def gateway(tmp_path, kv_kind):
     db_url = f"sqlite:///{tmp_path / 'twinkle.db'}"
     (engines,) = build_engines(tmp_path, 1)
-    extra = {"redis_url": kv_kind} if kv_kind else {}
-    app = make_app(tmp_path, db_url, engines, **extra)
+    app = make_app(tmp_path, db_url, engines, gateway={"redis_url": kv_kind} if kv_kind else {})
     key = new_key(db_url, "alice")
     for quota in ("train_tokens_per_minute", "sample_tokens_per_minute"):
         set_quota(db_url, "user", "alice", quota, 1_000_000)  # metered, never reached
