@@ -20,7 +20,8 @@ DEFAULT_LORA_ALPHA = 32.0
 @dataclass(frozen=True)
 class LoraSpec:
     """Configuration of one adapter. Target modules follow Tinker's three switches:
-    train_attn → q/k/v/o projections, train_mlp → gate/up/down projections, train_unembed → lm_head."""
+    train_attn → q/k/v/o projections, train_mlp → gate/up/down projections,
+    train_unembed → lm_head."""
 
     rank: int
     alpha: float = DEFAULT_LORA_ALPHA
@@ -51,7 +52,8 @@ class ForwardBackwardInput:
 @dataclass
 class ForwardBackwardOutput:
     """``outputs[i]`` belongs to ``data[i]``: ``logprobs`` float32 [N] (learner log p of targets),
-    ``elementwise_loss`` float32 [N] where the loss is per token (not DPO). ``metrics`` keys are ``name:reduction`` (always ``loss:sum``)."""
+    ``elementwise_loss`` float32 [N] where the loss is per token (not DPO). ``metrics`` keys are
+    ``name:reduction`` (always ``loss:sum``)."""
 
     outputs: list[dict[str, np.ndarray]]
     metrics: dict[str, float]
@@ -59,7 +61,8 @@ class ForwardBackwardOutput:
 
 @dataclass
 class AdamParams:
-    """All fields are honoured. ``grad_clip_norm`` 0 disables clipping; weight decay is decoupled."""
+    """All fields are honoured. ``grad_clip_norm`` 0 disables clipping; weight decay is
+    decoupled."""
 
     learning_rate: float = DEFAULT_LR
     beta1: float = 0.9
@@ -106,7 +109,8 @@ class SampleInput:
     prompt_logprobs_last_n: int | None = None
     #: draws per prompt position (after the first) from the next-token distribution
     prompt_alt_tokens_k: int = 0
-    #: int64 [len(prompt) - 1, K]: row i names token ids to score at prompt position i + 1; -1 = none
+    #: int64 [len(prompt) - 1, K]: row i names token ids to score at prompt position i + 1;
+    #: -1 = none
     target_prompt_ids: np.ndarray | None = None
 
 

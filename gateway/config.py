@@ -45,7 +45,6 @@ class GatewayConfig(_Strict):
     )
 
 
-
 class ServerConfig(EngineConfig):
     """The whole server config: the engine's part plus the gateway's sections."""
 

@@ -1,8 +1,8 @@
 """create_app(): the gateway's FastAPI application, wired to an engine client.
 
 The DB engine and the future store are built in the lifespan (not at import), so tests and Ray
-Serve replicas control them. The engine client is passed in: Ray Serve handles under `twinkle serve`,
-in-process engine objects in tests.
+Serve replicas control them. The engine client is passed in: Ray Serve handles under
+`twinkle serve`, in-process engine objects in tests.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Alembic environment for Twinkle; target metadata: ``SQLModel.metadata`` from ``gateway.db.tables``.
+"""Alembic environment for Twinkle.
+
+Target metadata: ``SQLModel.metadata`` from ``gateway.db.tables``.
 
 Owns how a migration run finds its database: a connection handed over by
 ``gateway.db.upgrade_to_head`` (``config.attributes["connection"]``), else ``attributes["url"]``,

@@ -76,7 +76,9 @@ class SessionRow(SQLModel, table=True):
 
 
 class TrainingRunRow(SQLModel, table=True):
-    """One Tinker training client (= one adapter). ``id`` is ``{session_id}:train:{model_seq_id}``."""
+    """One Tinker training client (= one adapter).
+
+    ``id`` is ``{session_id}:train:{model_seq_id}``."""
 
     __tablename__ = "training_runs"
 

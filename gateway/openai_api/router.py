@@ -22,8 +22,7 @@ from engine.protocol import SampleInput, SamplingParams
 from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.openai_api import responses
-from gateway.openai_api import streaming
+from gateway.openai_api import responses, streaming
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from gateway.quotas.concurrency import SamplingLimiterDep
 from gateway.quotas.metering import SampleMeter

@@ -143,7 +143,7 @@ class Quotas:
                 .join(SessionRow, SessionRow.id == TrainingRunRow.session_id)
                 .where(col(TrainingRunRow.user_id).in_(ids), col(SessionRow.finished_at).is_(None))
             )
-            return {rid: 1 for rid in rows}
+            return dict.fromkeys(rows, 1)
 
     def _load_checkpoints(self, s: Session, level: str, subject: int) -> dict[str, int]:
         if True:
