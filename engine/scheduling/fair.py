@@ -134,9 +134,11 @@ class FairScheduler:
         return batch
 
     async def _run_fused(self, loop: asyncio.AbstractEventLoop, batch: list[Job]) -> None:
+        fuse_fn = self.fuse_fn
+        assert fuse_fn is not None  # the worker fuses only while fuse_fn is set
         try:
             results = await loop.run_in_executor(
-                self._pool, self.fuse_fn, [j.fuse_item for j in batch]
+                self._pool, fuse_fn, [j.fuse_item for j in batch]
             )
         except BaseException as exc:  # noqa: BLE001 - the whole call failed: every job gets it
             results = [exc] * len(batch)
