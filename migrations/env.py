@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging.config
 import sys
 from pathlib import Path
+from typing import Any
 
 from alembic import context
 from sqlmodel import SQLModel
@@ -41,7 +42,7 @@ def _url() -> str:
     )
 
 
-def _configure(**kw: object) -> None:
+def _configure(**kw: Any) -> None:
     dialect = kw.pop("dialect_name")
     context.configure(
         target_metadata=target_metadata,
