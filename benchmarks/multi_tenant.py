@@ -53,9 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from engine.backends.train_transformers import TransformersTrainingBackend
-from engine.errors import EngineError
-from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec
+from engine.backends.train_transformers import TransformersTrainingBackend  # noqa: E402  (needs the sys.path insert above)
+from engine.errors import EngineError  # noqa: E402  (needs the sys.path insert above)
+from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec  # noqa: E402  (needs the sys.path insert above)
 
 MODES = ("fused", "sequential", "peft-mixed", "bare-torch")
 RANK = 8
@@ -224,7 +224,8 @@ def backend_steps(backend: TransformersTrainingBackend, tenants: int, fused: boo
 
     def fused_step(batches: list[TenantBatch]) -> list[float]:
         t0 = time.perf_counter()
-        _check(backend.forward_backward_many([(aid, b.request) for aid, b in zip(ids, batches)]))
+        pairs = [(aid, b.request) for aid, b in zip(ids, batches, strict=True)]
+        _check(backend.forward_backward_many(pairs))
         for aid in ids:
             backend.optim_step(aid, adam)
         sync()
@@ -233,7 +234,7 @@ def backend_steps(backend: TransformersTrainingBackend, tenants: int, fused: boo
     def sequential_step(batches: list[TenantBatch]) -> list[float]:
         t0 = time.perf_counter()
         lat = []
-        for aid, b in zip(ids, batches):
+        for aid, b in zip(ids, batches, strict=True):
             backend.forward_backward(aid, b.request)
             backend.optim_step(aid, adam)
             sync()
@@ -280,7 +281,9 @@ def peft_mixed_steps(path: Path, device: torch.device, tenants: int, sync) -> St
         t0 = time.perf_counter()
         ids = torch.cat([b.ids for b in batches])
         tgt = torch.cat([b.targets for b in batches])
-        adapter_names = [n for n, b in zip(names, batches) for _ in range(b.ids.shape[0])]
+        adapter_names = [
+            n for n, b in zip(names, batches, strict=True) for _ in range(b.ids.shape[0])
+        ]
         logits = model(input_ids=ids, adapter_names=adapter_names, use_cache=False).logits
         # per-sample losses, summed (= the sum over all tokens of the batch)
         loss = _ce_sum(logits, tgt)
@@ -482,7 +485,10 @@ def format_table(rows: list[Row]) -> str:
         "vs bare-torch",
         "other CPU",
     ]
-    ratio = lambda v: "—" if v is None else f"{v:.2f}×"
+
+    def ratio(v: float | None) -> str:
+        return "—" if v is None else f"{v:.2f}×"
+
     body = [
         [
             r.model,
@@ -507,7 +513,7 @@ def format_table(rows: list[Row]) -> str:
             "| "
             + " | ".join(
                 c.rjust(w) if i in right else c.ljust(w)
-                for i, (c, w) in enumerate(zip(cells, widths))
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
             )
             + " |"
         )
@@ -580,7 +586,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     _quiet_libraries()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     started = _dt.datetime.now(_dt.UTC)
     meta = {
         "date": started.isoformat(timespec="seconds"),

@@ -57,10 +57,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from engine.backends.lora import adapter_parameters, add_adapter, inject_multi_lora, save_adapter
-from engine.backends.sample_torch import TorchSamplingBackend
-from engine.protocol import LoraSpec, SampleInput, SampleOutput, SamplingParams
-from engine.sampler import Sampler
+from engine.backends.lora import adapter_parameters, add_adapter, inject_multi_lora, save_adapter  # noqa: E402  (needs the sys.path insert above)
+from engine.backends.sample_torch import TorchSamplingBackend  # noqa: E402  (needs the sys.path insert above)
+from engine.protocol import LoraSpec, SampleInput, SampleOutput, SamplingParams  # noqa: E402  (needs the sys.path insert above)
+from engine.sampler import Sampler  # noqa: E402  (needs the sys.path insert above)
 
 MODES = ("batched", "one-by-one", "hf-generate", "service")
 PROMPTS = [

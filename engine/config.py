@@ -26,23 +26,25 @@ class _Strict(BaseModel):
 
 
 class ReplicaConfig(_Strict):
-    num_replicas: int = Field(1, ge=1, description="Ray Serve replicas of this deployment")
-    num_cpus: float = Field(0.5, gt=0, description="CPUs reserved per replica")
-    num_gpus: float = Field(0, ge=0, description="GPUs reserved per replica")
+    num_replicas: int = Field(default=1, ge=1, description="Ray Serve replicas of this deployment")
+    num_cpus: float = Field(default=0.5, gt=0, description="CPUs reserved per replica")
+    num_gpus: float = Field(default=0, ge=0, description="GPUs reserved per replica")
 
 
 class ModelConfig(_Strict):
     name: str = Field(description="Base model name clients use (e.g. twinkle/tiny-chat)")
-    path: str | None = Field(None, description="Local HF folder; None only for built-in models")
+    path: str | None = Field(
+        default=None, description="Local HF folder; None only for built-in models"
+    )
     # The names engine/backends/registry.py builds (a test keeps the two lists equal; the
     # registry is not imported here, so loading a config never imports a backend).
     backend: Literal["transformers", "megatron", "mock"] = Field(
-        "transformers",
+        default="transformers",
         description="Training backend: transformers (CPU or one GPU), megatron (not built yet), "
         "or mock (deterministic, no torch; routing tests only)",
     )
     sampler_type: Literal["torch", "vllm", "mock"] = Field(
-        "torch",
+        default="torch",
         description="Sampler backend: torch (CPU or one GPU, built in), vllm (GPU; "
         "needs the `gpu` extra) or mock (deterministic, no torch; routing tests only)",
     )
@@ -51,24 +53,24 @@ class ModelConfig(_Strict):
         description="With sampler_type vllm: extra vllm.LLM keyword "
         "arguments (e.g. gpu_memory_utilization, max_model_len, dtype, max_loras)",
     )
-    max_lora_rank: int = Field(64, ge=1, le=1024, description="Largest LoRA rank accepted")
+    max_lora_rank: int = Field(default=64, ge=1, le=1024, description="Largest LoRA rank accepted")
     max_context_length: int | None = Field(
-        None, ge=1, description="Advertised context length; default: the model's positions"
+        default=None, ge=1, description="Advertised context length; default: the model's positions"
     )
     max_loaded_adapters: int = Field(
-        64,
+        default=64,
         ge=1,
         description="Adapters resident per Trainer replica; idle ones beyond this are "
         "offloaded to disk (LRU) and reloaded on next use",
     )
     slice_tokens: int = Field(
-        1024,
+        default=1024,
         ge=16,
         description="Large forward_backward requests run in slices of at most this "
         "many tokens, so other tenants' work interleaves (fairness)",
     )
     execution: Literal["auto", "fused", "sequential"] = Field(
-        "auto",
+        default="auto",
         description="Run ready work of several adapters as one fused batch, one by one, "
         "or pick whichever a start-up measurement on this device finds faster",
     )
@@ -110,9 +112,15 @@ class ModelConfig(_Strict):
 
 
 class RayConfig(_Strict):
-    address: str | None = Field(None, description="Existing cluster; None starts a local Ray")
-    num_cpus: int | None = Field(None, ge=1, description="CPUs for a local Ray (default: all)")
-    object_store_memory_mb: int = Field(512, ge=64, description="Object store size, local Ray")
+    address: str | None = Field(
+        default=None, description="Existing cluster; None starts a local Ray"
+    )
+    num_cpus: int | None = Field(
+        default=None, ge=1, description="CPUs for a local Ray (default: all)"
+    )
+    object_store_memory_mb: int = Field(
+        default=512, ge=64, description="Object store size, local Ray"
+    )
 
 
 class EngineConfig(_Strict):
@@ -126,7 +134,7 @@ class EngineConfig(_Strict):
     )
     ray: RayConfig = Field(default_factory=RayConfig)
     seq_gap_timeout_seconds: float = Field(
-        120.0, gt=0, description="How long a model's queue waits for a missing seq_id"
+        default=120.0, gt=0, description="How long a model's queue waits for a missing seq_id"
     )
 
     @model_validator(mode="after")

@@ -1,8 +1,9 @@
 """Engine error hierarchy.
 
 Every error raised inside the engine derives from `EngineError`, carries a `category` ("user" when
-the caller's input was at fault, "server" otherwise) and is picklable (no custom ``__init__``), because
-errors cross Ray process boundaries. The gateway maps them to HTTP / failed futures in one place.
+the caller's input was at fault, "server" otherwise) and is picklable (no custom ``__init__``),
+because errors cross Ray process boundaries. The gateway maps them to HTTP / failed futures in
+one place.
 """
 
 

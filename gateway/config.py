@@ -24,69 +24,78 @@ __all__ = [
 class GatewayConfig(_Strict):
     """The gateway's own section (read by the gateway; the engine ignores it)."""
 
-    num_replicas: int = Field(1, ge=1, description="Gateway (HTTP ingress) replicas")
+    num_replicas: int = Field(default=1, ge=1, description="Gateway (HTTP ingress) replicas")
     redis_url: str | None = Field(
-        None, description="Redis for quota and rate-limit state; required with >1 replica"
+        default=None, description="Redis for quota and rate-limit state; required with >1 replica"
     )
     jwt_enabled: bool = Field(
-        False, description="Tinker SDK JWT mode: clients exchange their key at /api/v1/auth/token"
+        default=False,
+        description="Tinker SDK JWT mode: clients exchange their key at /api/v1/auth/token",
     )
-    jwt_ttl_seconds: int = Field(900, ge=60, le=86400, description="Lifetime of a minted JWT")
+    jwt_ttl_seconds: int = Field(
+        default=900, ge=60, le=86400, description="Lifetime of a minted JWT"
+    )
     default_user_quotas: dict[str, int] = Field(
         default_factory=dict,
         description="Per-user quota limits applied when a user has no "
         "override (names as in the admin API, e.g. max_training_clients)",
     )
     metrics_enabled: bool = Field(
-        True, description="Serve Prometheus metrics at GET /metrics (off: no endpoint, 404)"
+        default=True, description="Serve Prometheus metrics at GET /metrics (off: no endpoint, 404)"
     )
     metrics_require_admin: bool = Field(
-        False, description="GET /metrics needs an admin-scope API key (default: no key needed)"
+        default=False,
+        description="GET /metrics needs an admin-scope API key (default: no key needed)",
     )
 
 
 class ServerConfig(EngineConfig):
     """The whole server config: the engine's part plus the gateway's sections."""
 
-    host: str = Field("127.0.0.1", description="HTTP bind address")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    host: str = Field(default="127.0.0.1", description="HTTP bind address")
+    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port")
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     long_poll_seconds: float = Field(
-        25.0, gt=0, le=40, description="How long retrieve_future holds a request (SDK timeout 45 s)"
+        default=25.0,
+        gt=0,
+        le=40,
+        description="How long retrieve_future holds a request (SDK timeout 45 s)",
     )
     # -- the Tinker API surface --
     future_ttl_seconds: float = Field(
-        3600.0,
+        default=3600.0,
         gt=0,
         description="How long a finished future's result is kept for retrieval; "
         "afterwards retrieve_future answers 410 (for a day)",
     )
     metadata_only_min_bytes: int = Field(
-        1 << 20,
+        default=1 << 20,
         ge=0,
         description="A finished protobuf result this large is first announced as "
         "complete_metadata when the SDK allows it (it reserves its byte budget first)",
     )
     session_timeout_seconds: float = Field(
-        600.0,
+        default=600.0,
         gt=0,
         description="A session with no heartbeat for this long expires: its "
         "adapters are released (saved checkpoints stay) and its clients get 410",
     )
     session_sweep_seconds: float = Field(
-        30.0, gt=0, description="How often expired sessions and checkpoints are swept"
+        default=30.0, gt=0, description="How often expired sessions and checkpoints are swept"
     )
     download_url_ttl_seconds: float = Field(
-        3600.0, gt=0, description="Lifetime of signed external-weights download URLs"
+        default=3600.0, gt=0, description="Lifetime of signed external-weights download URLs"
     )
     sdk_deprecated_below: str = Field(
-        "0.38.0", description="Tinker SDK versions below this get x-deprecation-level: warning"
+        default="0.38.0",
+        description="Tinker SDK versions below this get x-deprecation-level: warning",
     )
     sdk_unsupported_below: str = Field(
-        "0.16.0", description="Tinker SDK versions below this get x-deprecation-level: error"
+        default="0.16.0",
+        description="Tinker SDK versions below this get x-deprecation-level: error",
     )
     max_concurrent_samples_per_user: int = Field(
-        64,
+        default=64,
         ge=0,
         description="Sampling requests (Tinker asample, OpenAI completions) one user may "
         "have in flight at once; more get 429 with retry-after. 0 = no limit",

@@ -1,4 +1,6 @@
-"""Alembic environment for Twinkle; target metadata: ``SQLModel.metadata`` from ``gateway.db.tables``.
+"""Alembic environment for Twinkle.
+
+Target metadata: ``SQLModel.metadata`` from ``gateway.db.tables``.
 
 Owns how a migration run finds its database: a connection handed over by
 ``gateway.db.upgrade_to_head`` (``config.attributes["connection"]``), else ``attributes["url"]``,
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging.config
 import sys
 from pathlib import Path
+from typing import Any
 
 from alembic import context
 from sqlmodel import SQLModel
@@ -39,7 +42,7 @@ def _url() -> str:
     )
 
 
-def _configure(**kw: object) -> None:
+def _configure(**kw: Any) -> None:
     dialect = kw.pop("dialect_name")
     context.configure(
         target_metadata=target_metadata,

@@ -18,6 +18,7 @@ Errors (all picklable)::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import time
@@ -156,10 +157,9 @@ class TwinkleClient:
             client = ref()
             if client is None:
                 return
-            try:
+            # transient errors: the next beat retries (the server allows many misses)
+            with contextlib.suppress(TwinkleError):
                 client.heartbeat()
-            except TwinkleError:
-                pass  # transient; the next beat retries (the server allows many misses)
             del client
 
     def heartbeat(self) -> None:

@@ -55,7 +55,8 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
             return [dict(r) for r in csv.DictReader(f)]
     if suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            # optional extra (twinkle-client[parquet]), absent from the dev environment
+            import pyarrow.parquet as pq  # pyright: ignore[reportMissingImports]
         except ImportError:
             raise DatasetError(
                 f"{path.name}: parquet needs pyarrow (pip install 'twinkle-client[parquet]')"
@@ -71,11 +72,12 @@ def _read_hub(meta: DatasetMeta) -> list[dict[str, Any]]:
     lib = "modelscope" if hub == "ms" else "datasets"
     try:
         if hub == "ms":
-            from modelscope.msdatasets import MsDataset
+            # optional hub libraries, absent from the dev environment
+            from modelscope.msdatasets import MsDataset  # pyright: ignore[reportMissingImports]
 
             ds = MsDataset.load(name, subset_name=meta.subset_name, split=meta.split)
         else:
-            from datasets import load_dataset
+            from datasets import load_dataset  # pyright: ignore[reportMissingImports]
 
             ds = load_dataset(name, meta.subset_name, split=meta.split)
     except ImportError:

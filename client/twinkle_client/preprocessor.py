@@ -59,7 +59,7 @@ class DPOProcessor(Preprocessor):
         prompt = row.get("prompt", row.get("question"))
         chosen = row.get("chosen", row.get("response_chosen"))
         rejected = row.get("rejected", row.get("response_rejected"))
-        if not all(isinstance(x, str) for x in (prompt, chosen, rejected)):
+        if not (isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str)):
             return None
         return {
             "chosen": {"messages": self._messages(prompt, chosen)},

@@ -68,7 +68,9 @@ def _patch_paths() -> None:
     def from_tinker_path(cls, tinker_path: str):
         return original(cls, as_tinker_path(tinker_path))
 
-    ParsedCheckpointTinkerPath.from_tinker_path = classmethod(from_tinker_path)
+    # a deliberate monkeypatch of the SDK's classmethod (pyright: methods are read-only)
+    patched = classmethod(from_tinker_path)
+    ParsedCheckpointTinkerPath.from_tinker_path = patched  # pyright: ignore[reportAttributeAccessIssue]
 
     # create_sampling_client(model_path=...) checks the prefix before sending
     create = InternalClientHolder._create_sampling_session

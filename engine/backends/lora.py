@@ -162,7 +162,8 @@ def inject_multi_lora(model: nn.Module) -> list[str]:
         wrapped.append(name)
     if not wrapped:
         raise ValueError("inject_multi_lora: no q/k/v/o, gate/up/down or lm_head Linear found")
-    model._twinkle_lora_router = router
+    # torch types Module.__setattr__'s value as Tensor | Module; plain attributes work at runtime
+    model._twinkle_lora_router = router  # pyright: ignore[reportArgumentType]
     return wrapped
 
 

@@ -92,6 +92,9 @@ class _Adapter:
 class MockTrainingBackend(TrainingBackend):
     """The toy-model training backend (see the module docstring). Routing tests only."""
 
+    #: always known for this backend (the base class allows None)
+    max_positions: int
+
     def __init__(
         self,
         *,
@@ -258,6 +261,7 @@ class MockTrainingBackend(TrainingBackend):
             (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
             ckpt.write_state(tmp, st.spec, st.step, include_optimizer, self.base_model_name)
             if include_optimizer:
+                assert st.m is not None and st.v is not None  # set by fresh_optimizer()
                 save_file({"m": st.m, "v": st.v}, str(tmp / OPTIMIZER_FILE))
 
         return ckpt.write_checkpoint_dir(Path(directory), fill)
@@ -328,6 +332,9 @@ class MockSamplingBackend(SamplingBackend):
     Same inputs, same tokens, with or without a seed (temperature 0: every sample is the same).
     A sequence ends at a stop token, a stop string, or ``max_tokens``; it never emits EOS.
     """
+
+    #: always known for this backend (the base class allows None)
+    max_positions: int
 
     def __init__(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
+from typing import cast
 
 import torch
 
@@ -31,6 +32,10 @@ ALT_SEED_XOR = 0x5EED_A17
 class TorchSamplingBackend(SamplingBackend):
     """Generates from the base model or from adapter checkpoint directories."""
 
+    #: always known for this backend (the base class allows None)
+    max_positions: int
+    device: torch.device
+
     def __init__(self, model_dir: str, *, max_cached_adapters: int = 32) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -40,13 +45,17 @@ class TorchSamplingBackend(SamplingBackend):
         inject_multi_lora(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = self.model.config
-        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        emb = self.model.get_input_embeddings()
+        # torch types Module attributes as Tensor | Module; an embedding's row count is an int
+        self.vocab_size = int(cast(int, emb.num_embeddings))
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         eos = self.tokenizer.eos_token_id
         if eos is None:
             eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.device = self.model.get_input_embeddings().weight.device
+        weight = emb.weight
+        assert isinstance(weight, torch.Tensor)  # the embedding matrix (a Parameter)
+        self.device = weight.device
         self.max_cached_adapters = max(1, int(max_cached_adapters))
         # adapter directory → internal adapter id (engine/backends/adapter_cache.py)
         self._cache: AdapterDirCache[str] = AdapterDirCache(self.max_cached_adapters)

@@ -31,7 +31,8 @@ Every LoRARequest carries its path, so when vLLM has evicted the adapter from it
 (``max_cpu_loras``) it reloads it from disk: a cache miss is never an error.
 
 ``vllm`` is imported lazily in the constructor: the engine package imports this module's name only
-when a model is configured with ``sampler_type: vllm``, and the main venv does not have vllm.
+when a model is configured with ``sampler_type: vllm``, and the main venv does not have vllm
+(hence ``# pyright: ignore[reportMissingImports]`` on each vllm import).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def vllm_lora_rank(max_lora_rank: int) -> int:
 class VllmSamplingBackend(SamplingBackend):
     """Generates with vLLM from the base model or from adapter checkpoint directories."""
 
+    #: always known for this backend (the base class allows None)
+    max_positions: int
+
     def __init__(
         self,
         model_dir: str,
@@ -82,7 +86,7 @@ class VllmSamplingBackend(SamplingBackend):
         ``engine_args``: extra ``vllm.LLM`` keyword arguments (dtype, max_model_len,
         gpu_memory_utilization, enforce_eager, ...), which override ours."""
         try:
-            from vllm import LLM
+            from vllm import LLM  # pyright: ignore[reportMissingImports]
         except ImportError as e:
             raise ConfigError(
                 "sampler_type 'vllm' needs the vllm package, which is not installed: on a GPU "
@@ -117,7 +121,7 @@ class VllmSamplingBackend(SamplingBackend):
         # adapter directory → LoRARequest (engine/backends/adapter_cache.py)
         self._cache: AdapterDirCache[Any] = AdapterDirCache(self.max_cached_adapters)
         self._next_id = 1  # vLLM reserves 0 (no adapter)
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
 
         # see the module docstring (CPU workaround); never evicted from our id cache
         self._base_lora = (
@@ -134,7 +138,7 @@ class VllmSamplingBackend(SamplingBackend):
     def _load_lora(self, adapter_dir: str, path: str):
         """A new LoRARequest for the adapter in ``path`` (realpath of ``adapter_dir``, which error
         messages name), loaded in vLLM now."""
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
 
         spec = read_adapter_config(path)  # CheckpointError for configs we cannot honour
         if spec.rank > self.max_lora_rank:
@@ -166,7 +170,7 @@ class VllmSamplingBackend(SamplingBackend):
         A = B = 0 (the MLP output projection of Llama/Qwen/Mistral-style decoders)."""
         import torch
         from safetensors.torch import save_file
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
 
         hidden, inter = int(hf_config.hidden_size), int(hf_config.intermediate_size)
         tensors = {}
@@ -208,7 +212,7 @@ class VllmSamplingBackend(SamplingBackend):
     # ------------------------------------------------------------------------------- requests
 
     def _sampling_params(self, inp: SampleInput):
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # pyright: ignore[reportMissingImports]
 
         p = inp.params
         greedy = p.temperature == 0

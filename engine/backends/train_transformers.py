@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -88,6 +89,10 @@ def _shape(spec: LoraSpec) -> tuple:
 class TransformersTrainingBackend(TrainingBackend):
     """Many LoRA adapters over one frozen HF causal LM; one or several adapters per pass."""
 
+    #: always known for this backend (the base class allows None)
+    max_positions: int
+    device: torch.device
+
     def __init__(
         self,
         model_dir: str,
@@ -103,7 +108,9 @@ class TransformersTrainingBackend(TrainingBackend):
         self.model.requires_grad_(False)
         inject_multi_lora(self.model)
         config = self.model.config
-        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        emb = self.model.get_input_embeddings()
+        # torch types Module attributes as Tensor | Module; an embedding's row count is an int
+        self.vocab_size = int(cast(int, emb.num_embeddings))
         self.max_lora_rank = int(max_lora_rank)
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.base_model_name = base_model_name or str(model_dir)
@@ -111,7 +118,9 @@ class TransformersTrainingBackend(TrainingBackend):
         self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
         #: padded tokens per forward pass; larger inputs are split into micro-batches
         self.max_batch_tokens = int(max_batch_tokens)
-        self.device = self.model.get_input_embeddings().weight.device
+        weight = emb.weight
+        assert isinstance(weight, torch.Tensor)  # the embedding matrix (a Parameter)
+        self.device = weight.device
         self._adapters: dict[str, _Adapter] = {}
 
     # ------------------------------------------------------------------------------- adapters
@@ -343,15 +352,17 @@ class TransformersTrainingBackend(TrainingBackend):
                 "call forward_backward first"
             )
         plist = list(st.params.values())
+        grads: list[torch.Tensor] = []
         for p in plist:  # a parameter unused in the graph gets a zero gradient, not a skipped step
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         with torch.no_grad():
-            norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in plist))
+            norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
             if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
                 coef = params.grad_clip_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-                for p in plist:
-                    p.grad.mul_(coef)
+                for g in grads:
+                    g.mul_(coef)
         for group in st.optimizer.param_groups:
             group["lr"] = float(params.learning_rate)
             group["betas"] = (float(params.beta1), float(params.beta2))

@@ -111,7 +111,9 @@ def _build_model(tokenizer, seed: int):
     # fork_rng: seeding must neither depend on nor disturb the caller's global RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        # transformers declares PreTrainedModel.to with @wraps(nn.Module.to), which gives pyright
+        # the unbound signature (self first), so it reads the dtype as ``self``
+        model = Qwen2ForCausalLM(config).to(torch.float32)  # pyright: ignore[reportArgumentType]
     return model.eval()
 
 

@@ -24,7 +24,8 @@ from typing import Any
 DEFAULT_QUANTUM = 1024
 #: event-loop turns the worker yields after each job, so a request woken by its result (the same
 #: model's next slice or optim_step) enqueues before the next pick: it takes about 5 turns, 12
-#: through the exactly-once wrapper (engine/scheduling/exactly_once.py: task + shield); 32 turns cost ~50 us
+#: through the exactly-once wrapper (engine/scheduling/exactly_once.py: task + shield); 32 turns
+#: cost ~50 us
 CONTINUATION_YIELDS = 32
 #: cost charged to work that is not a token batch (optim_step, save, load)
 FIXED_COST = 64
@@ -133,9 +134,11 @@ class FairScheduler:
         return batch
 
     async def _run_fused(self, loop: asyncio.AbstractEventLoop, batch: list[Job]) -> None:
+        fuse_fn = self.fuse_fn
+        assert fuse_fn is not None  # the worker fuses only while fuse_fn is set
         try:
             results = await loop.run_in_executor(
-                self._pool, self.fuse_fn, [j.fuse_item for j in batch]
+                self._pool, fuse_fn, [j.fuse_item for j in batch]
             )
         except BaseException as exc:  # noqa: BLE001 - the whole call failed: every job gets it
             results = [exc] * len(batch)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 from engine.errors import UserInputError
 
@@ -71,10 +71,8 @@ class Sequencer:
                         )
                         self._next[model_id] = seq_id
                         break
-                    try:
+                    with suppress(TimeoutError):
                         await asyncio.wait_for(self._cond.wait(), timeout=max(remaining, 0.5))
-                    except TimeoutError:
-                        pass
             finally:
                 waiting.discard(seq_id)
         try:

@@ -1,7 +1,8 @@
 """Short-lived JWTs for the Tinker SDK's own flow (``pjwt_auth_enabled``).
 
-Owns minting (POST /api/v1/auth/token exchanges an API key for a JWT) and verification. Tokens are HS256, signed with joserfc (authlib's JOSE implementation, which
-authlib 1.9 itself delegates to). Claims: ``sub`` (``tml:user:<id>``), ``org_id`` (what the SDK's
+Owns minting (POST /api/v1/auth/token exchanges an API key for a JWT) and verification. Tokens
+are HS256, signed with joserfc (authlib's JOSE implementation, which authlib 1.9 itself delegates
+to). Claims: ``sub`` (``tml:user:<id>``), ``org_id`` (what the SDK's
 ``whoami`` turns into ``tml:organization:<org_id>``), ``kid`` (the API key's id), ``scope``,
 ``iat``, ``exp``, ``iss``. A JWT only names its key: every request re-reads the key row, so
 revoking the key (or disabling its user or organization) revokes its JWTs at once.

@@ -33,7 +33,8 @@ def _upsert(session: Session, values: dict, quantity: int, gb_hours: float) -> N
         from sqlalchemy.dialects.postgresql import insert
     else:
         from sqlalchemy.dialects.sqlite import insert
-    table = UsageBucketRow.__table__
+    # SQLModel sets __table__ when the class is created; its type stubs do not declare it.
+    table = UsageBucketRow.__table__  # pyright: ignore[reportAttributeAccessIssue]
     stmt = insert(table).values(**values, quantity=quantity, gigabyte_hours=gb_hours)
     stmt = stmt.on_conflict_do_update(
         index_elements=["bucket_start", "user_id", "session_id", "base_model", "kind"],
@@ -103,9 +104,9 @@ class UsageLedger:
         with Session(self._db) as s:
             rows = s.exec(
                 select(CheckpointRow.user_id, UserRow.org_id, func.sum(CheckpointRow.size_bytes))
-                .join(UserRow, UserRow.id == CheckpointRow.user_id)
+                .join(UserRow, col(UserRow.id) == CheckpointRow.user_id)
                 .where(CheckpointRow.ephemeral == False)  # noqa: E712
-                .group_by(CheckpointRow.user_id, UserRow.org_id)
+                .group_by(col(CheckpointRow.user_id), col(UserRow.org_id))
             ).all()
         for user_id, org_id, size in rows:
             if size:

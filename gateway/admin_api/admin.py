@@ -43,15 +43,15 @@ class DisableUpdate(_Body):
 
 class UserCreate(_Body):
     name: str = Field(min_length=1, max_length=128)
-    org: str | None = Field(None, max_length=128)
+    org: str | None = Field(default=None, max_length=128)
     admin: bool = False
 
 
 class KeyCreate(_Body):
     user_id: int
     scope: str = "user"
-    name: str | None = Field(None, max_length=128)
-    expires_in_seconds: int | None = Field(None, gt=0)
+    name: str | None = Field(default=None, max_length=128)
+    expires_in_seconds: int | None = Field(default=None, gt=0)
 
 
 def _iso(ts: datetime | None) -> str | None:
@@ -168,7 +168,7 @@ async def update_user(user_id: int, body: DisableUpdate, who: AdminPrincipalDep,
 # -- keys ------------------------------------------------------------------------------------
 @router.get("/keys")
 async def list_keys(who: AdminPrincipalDep, db: DbDep, user_id: int | None = None) -> dict:
-    q = select(ApiKeyRow, UserRow).join(UserRow, UserRow.id == ApiKeyRow.user_id)
+    q = select(ApiKeyRow, UserRow).join(UserRow, col(UserRow.id) == ApiKeyRow.user_id)
     if user_id is not None:
         q = q.where(ApiKeyRow.user_id == user_id)
     return {"keys": [key_json(k, u) for k, u in db.exec(q.order_by(col(ApiKeyRow.id)))]}

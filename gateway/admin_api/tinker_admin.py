@@ -70,9 +70,9 @@ async def checkpoint_storage(
 ) -> dict:
     q = (
         select(UserRow.id, UserRow.name, func.count(), func.sum(CheckpointRow.size_bytes))
-        .join(UserRow, UserRow.id == CheckpointRow.user_id)
+        .join(UserRow, col(UserRow.id) == CheckpointRow.user_id)
         .where(CheckpointRow.ephemeral == False)  # noqa: E712
-        .group_by(UserRow.id, UserRow.name)
+        .group_by(col(UserRow.id), col(UserRow.name))
         .order_by(col(UserRow.id))
     )
     if who.org_id is not None:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gateway.accounts.keys import DISPLAY_PREFIX_LEN, KEY_PREFIX, digest_key
 from gateway.accounts.service import create_key, ensure_user, revoke_key
@@ -64,9 +64,9 @@ def _create(session: Session, args: argparse.Namespace, out: TextIO, err: TextIO
 def _list(session: Session, out: TextIO) -> int:
     rows = session.exec(
         select(ApiKeyRow, UserRow, OrganizationRow)
-        .join(UserRow, UserRow.id == ApiKeyRow.user_id)
-        .join(OrganizationRow, OrganizationRow.id == UserRow.org_id, isouter=True)
-        .order_by(ApiKeyRow.id)
+        .join(UserRow, col(UserRow.id) == ApiKeyRow.user_id)
+        .join(OrganizationRow, col(OrganizationRow.id) == UserRow.org_id, isouter=True)
+        .order_by(col(ApiKeyRow.id))
     ).all()
 
     def ts(value) -> str:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from gateway.accounts.audit import record_event
 from gateway.accounts.service import ensure_org, find_org
@@ -25,7 +25,7 @@ from gateway.settings import Settings
 
 def _orgs(session: Session, args: argparse.Namespace) -> int:
     if args.command == "list":
-        for org in session.exec(select(OrganizationRow).order_by(OrganizationRow.id)):
+        for org in session.exec(select(OrganizationRow).order_by(col(OrganizationRow.id))):
             state = "disabled" if org.disabled_at else "active"
             print(f"{org.id}\t{org.name}\t{state}")
         return 0

@@ -21,6 +21,10 @@ from pydantic import NaiveDatetime
 from sqlalchemy import JSON, BigInteger, Column, Float, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
+# Each ``__tablename__ = "..."`` below carries ``# pyright: ignore[reportAssignmentType]``:
+# SQLModel declares ``__tablename__`` as a SQLAlchemy ``declared_attr``, so pyright rejects a plain
+# string, which SQLAlchemy and SQLModel accept (and document).
+
 
 def utcnow() -> datetime:
     """Naive UTC now (SQLite keeps no time zone; every column is UTC by convention)."""
@@ -28,7 +32,7 @@ def utcnow() -> datetime:
 
 
 class UserRow(SQLModel, table=True):
-    __tablename__ = "users"
+    __tablename__ = "users"  # pyright: ignore[reportAssignmentType]
 
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(index=True, unique=True, max_length=128)
@@ -43,7 +47,7 @@ class ApiKeyRow(SQLModel, table=True):
     """An API key. Only the sha256 hex digest of the full key is stored, plus a short prefix for
     display (``tml-`` and 6 more characters)."""
 
-    __tablename__ = "api_keys"
+    __tablename__ = "api_keys"  # pyright: ignore[reportAssignmentType]
 
     id: int | None = Field(default=None, primary_key=True)
     user_id: int = Field(foreign_key="users.id", index=True)
@@ -58,7 +62,7 @@ class ApiKeyRow(SQLModel, table=True):
 
 
 class SessionRow(SQLModel, table=True):
-    __tablename__ = "sessions"
+    __tablename__ = "sessions"  # pyright: ignore[reportAssignmentType]
 
     id: str = Field(primary_key=True, max_length=64)
     user_id: int = Field(foreign_key="users.id", index=True)
@@ -76,9 +80,11 @@ class SessionRow(SQLModel, table=True):
 
 
 class TrainingRunRow(SQLModel, table=True):
-    """One Tinker training client (= one adapter). ``id`` is ``{session_id}:train:{model_seq_id}``."""
+    """One Tinker training client (= one adapter).
 
-    __tablename__ = "training_runs"
+    ``id`` is ``{session_id}:train:{model_seq_id}``."""
+
+    __tablename__ = "training_runs"  # pyright: ignore[reportAssignmentType]
 
     id: str = Field(primary_key=True, max_length=128)
     session_id: str = Field(foreign_key="sessions.id", index=True)
@@ -100,7 +106,7 @@ class CheckpointRow(SQLModel, table=True):
     """A saved checkpoint. ``kind`` is "training" (weights/), "sampler" (sampler_weights/) or
     "external" (external_weights/); ``storage_dir`` is server-side and never sent to clients."""
 
-    __tablename__ = "checkpoints"
+    __tablename__ = "checkpoints"  # pyright: ignore[reportAssignmentType]
     __table_args__ = (
         UniqueConstraint("run_id", "kind", "name", name="uq_checkpoint_run_kind_name"),
     )
@@ -125,7 +131,7 @@ class CheckpointRow(SQLModel, table=True):
 class SamplingSessionRow(SQLModel, table=True):
     """A sampler: ``id`` is ``{session_id}:sample:{sampling_session_seq_id}``."""
 
-    __tablename__ = "sampling_sessions"
+    __tablename__ = "sampling_sessions"  # pyright: ignore[reportAssignmentType]
 
     id: str = Field(primary_key=True, max_length=128)
     session_id: str = Field(foreign_key="sessions.id", index=True)
@@ -140,7 +146,7 @@ class SamplingSessionRow(SQLModel, table=True):
 
 
 class OrganizationRow(SQLModel, table=True):
-    __tablename__ = "organizations"
+    __tablename__ = "organizations"  # pyright: ignore[reportAssignmentType]
 
     id: int | None = Field(default=None, primary_key=True)
     name: str = Field(index=True, unique=True, max_length=128)
@@ -151,7 +157,7 @@ class OrganizationRow(SQLModel, table=True):
 class QuotaLimitRow(SQLModel, table=True):
     """One limit: ``value`` of quota ``name`` for an org or a user (see `gateway.quotas.limits`)."""
 
-    __tablename__ = "quota_limits"
+    __tablename__ = "quota_limits"  # pyright: ignore[reportAssignmentType]
     __table_args__ = (
         UniqueConstraint("subject_type", "subject_id", "name", name="uq_quota_subject_name"),
     )
@@ -168,7 +174,7 @@ class UsageBucketRow(SQLModel, table=True):
     """Usage of one kind in one UTC hour. ``kind``: training | sampling_prefill |
     sampling_sample | storage (``gigabyte_hours``) | checkpoint (``quantity`` = saves)."""
 
-    __tablename__ = "usage_buckets"
+    __tablename__ = "usage_buckets"  # pyright: ignore[reportAssignmentType]
     __table_args__ = (
         UniqueConstraint(
             "bucket_start", "user_id", "session_id", "base_model", "kind", name="uq_usage_bucket"
@@ -191,7 +197,7 @@ class AuditEventRow(SQLModel, table=True):
     """A security or admin event: ``<resource>_<action>`` (key_created, key_revoked,
     quota_changed, access_denied, ...)."""
 
-    __tablename__ = "audit_events"
+    __tablename__ = "audit_events"  # pyright: ignore[reportAssignmentType]
 
     id: int | None = Field(default=None, primary_key=True)
     created_at: NaiveDatetime = Field(default_factory=utcnow, index=True)

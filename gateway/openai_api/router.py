@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -22,8 +23,7 @@ from engine.protocol import SampleInput, SamplingParams
 from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.openai_api import responses
-from gateway.openai_api import streaming
+from gateway.openai_api import responses, streaming
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from gateway.quotas.concurrency import SamplingLimiterDep
 from gateway.quotas.metering import SampleMeter
@@ -286,11 +286,12 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
         return [p]
     if not p:
         raise InvalidRequestError("prompt: must not be empty")
+    # pydantic validated p as one of list[str] | list[int] | list[list[int]], never a mix
     if all(isinstance(x, int) for x in p):
-        return [list(p)]  # one prompt given as token ids
+        return [cast("list[int]", list(p))]  # one prompt given as token ids
     if len(p) > MAX_PROMPTS:
         raise InvalidRequestError(f"prompt: at most {MAX_PROMPTS} prompts per request")
-    return list(p)
+    return cast("list[str | list[int]]", list(p))
 
 
 @router.post("/completions")

@@ -39,11 +39,11 @@ class ChatMessage(_Req):
 
 class _Common(_Req):
     model: str = Field(min_length=1, max_length=1024)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="extension (vLLM's): -1 = off")
-    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, description="extension (vLLM's): -1 = off")
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -76,9 +76,9 @@ class _Common(_Req):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -102,9 +102,9 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
     def unsupported(self) -> list[str]:

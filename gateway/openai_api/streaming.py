@@ -165,6 +165,10 @@ class _Sse:
             body["usage"] = None
         return R.sse(body)
 
+    def finish_chunk(self, ev: FinishEvent) -> bytes:
+        """The chunk that ends one choice; each stream kind renders its own."""
+        raise NotImplementedError
+
     async def run(
         self,
         first: list[bytes],

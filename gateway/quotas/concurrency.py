@@ -2,10 +2,11 @@
 
 Owns `SamplingLimiter`, a thin front over `gateway.quotas.Quotas` (so the limit is per user and
 per organization, atomic, and shared by gateway replicas through Redis), and the FastAPI
-dependency `SamplingLimiterDep`. The per-user default is ``ServerConfig.max_concurrent_samples_per_user``
-(0 = no limit) unless ``gateway.default_user_quotas`` or a per-user override says otherwise. A
-request over the limit gets `RateLimitedError` (429 with ``retry-after``); the Tinker SDK backs off
-and retries the same seq_id, OpenAI clients retry 429 too.
+dependency `SamplingLimiterDep`. The per-user default is
+``ServerConfig.max_concurrent_samples_per_user`` (0 = no limit) unless
+``gateway.default_user_quotas`` or a per-user override says otherwise. A request over the limit
+gets `RateLimitedError` (429 with ``retry-after``); the Tinker SDK backs off and retries the same
+seq_id, OpenAI clients retry 429 too.
 
 Usage: ``async with limiter.acquire(who): ...`` holds one slot for the block, or
 ``slot = await limiter.acquire(who)`` … ``await slot.release()`` when the work outlives the

@@ -133,17 +133,18 @@ class Quotas:
     def _user_ids(self, s: Session, level: str, subject: int) -> list[int]:
         if level == "user":
             return [subject]
-        return list(s.exec(select(UserRow.id).where(UserRow.org_id == subject)))
+        ids = s.exec(select(UserRow.id).where(UserRow.org_id == subject))
+        return [uid for uid in ids if uid is not None]  # a stored row's primary key is never None
 
     def _load_training_clients(self, s: Session, level: str, subject: int) -> dict[str, int]:
         if True:
             ids = self._user_ids(s, level, subject)
             rows = s.exec(
                 select(TrainingRunRow.id)
-                .join(SessionRow, SessionRow.id == TrainingRunRow.session_id)
+                .join(SessionRow, col(SessionRow.id) == TrainingRunRow.session_id)
                 .where(col(TrainingRunRow.user_id).in_(ids), col(SessionRow.finished_at).is_(None))
             )
-            return {rid: 1 for rid in rows}
+            return dict.fromkeys(rows, 1)
 
     def _load_checkpoints(self, s: Session, level: str, subject: int) -> dict[str, int]:
         if True:

@@ -24,6 +24,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +179,7 @@ class RedisQuotaStore:
         return self.prefix + key
 
     async def acquire(self, checks: list[GaugeCheck], member: str, value: int = 1) -> Denial | None:
-        args: list[object] = [member, int(value)]
+        args: list[str | int | float] = [member, int(value)]
         for c in checks:
             args += [_lim(c.max_count), _lim(c.max_sum)]
         res = await self._acquire(keys=[self._k(c.key) for c in checks], args=args)
@@ -199,20 +200,21 @@ class RedisQuotaStore:
             await p.execute()
 
     async def gauge(self, key: str) -> dict[str, int]:
-        raw = await self._redis.hgetall(self._k(key))
+        # the pool decodes responses, so members are str (the stubs cannot know that)
+        raw = cast("dict[str, str]", await self._redis.hgetall(self._k(key)))
         return {m: int(v) for m, v in raw.items()}
 
     async def is_seeded(self, key: str) -> bool:
         return bool(await self._redis.exists(self._k(key) + ":seeded"))
 
     async def seed(self, key: str, members: dict[str, int]) -> None:
-        args: list[object] = []
+        args: list[str | int | float] = []
         for m, v in members.items():
             args += [m, int(v)]
         await self._seed(keys=[self._k(key), self._k(key) + ":seeded"], args=args)
 
     async def charge(self, checks: list[RateCheck], amount: int) -> Denial | None:
-        args: list[object] = [int(amount)]
+        args: list[str | int | float] = [int(amount)]
         for c in checks:
             args += [int(c.limit), float(c.window_s), float(c.bucket_s)]
         res = await self._charge(keys=[self._k(c.key) for c in checks], args=args)
@@ -221,7 +223,7 @@ class RedisQuotaStore:
         return Denial(int(res[0]) - 1, "rate", int(float(res[1])), max(0.0, float(res[2])))
 
     async def adjust(self, checks: list[RateCheck], amount: int) -> None:
-        args: list[object] = [int(amount)]
+        args: list[str | int | float] = [int(amount)]
         for c in checks:
             args += [float(c.window_s), float(c.bucket_s)]
         await self._adjust(keys=[self._k(c.key) for c in checks], args=args)

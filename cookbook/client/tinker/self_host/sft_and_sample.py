@@ -36,7 +36,9 @@ def build_datum(tok, question: str, answer: str) -> types.Datum:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base-url", default=os.environ.get("TWINKLE_SERVER_URL", "http://127.0.0.1:8000"))
+    ap.add_argument(
+        "--base-url", default=os.environ.get("TWINKLE_SERVER_URL", "http://127.0.0.1:8000")
+    )
     ap.add_argument("--api-key", default=os.environ.get("TWINKLE_SERVER_TOKEN"))
     ap.add_argument("--tokenizer-dir", required=True, help="folder of the base model's tokenizer")
     ap.add_argument("--steps", type=int, default=60)
@@ -49,7 +51,9 @@ def main() -> None:
     n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in data)
 
     service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
-    training = service.create_lora_training_client(base_model=BASE_MODEL, rank=args.rank, seed=0).result()
+    training = service.create_lora_training_client(
+        base_model=BASE_MODEL, rank=args.rank, seed=0
+    ).result()
     print(f"training run {training.model_id} on {BASE_MODEL}, LoRA rank {args.rank}")
     t0 = time.monotonic()
     for step in range(args.steps):
@@ -64,10 +68,13 @@ def main() -> None:
     sampler = training.save_weights_and_get_sampling_client().result()
     print(f"saved {state}")
     prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "what is 3 plus 4?"}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": "what is 3 plus 4?"}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     result = sampler.sample(
-        types.ModelInput.from_ints(tok.encode(prompt)), num_samples=2,
+        types.ModelInput.from_ints(tok.encode(prompt)),
+        num_samples=2,
         sampling_params=types.SamplingParams(max_tokens=12, temperature=0.0, stop=["<|im_end|>"]),
     ).result()
     for i, seq in enumerate(result.sequences):

@@ -53,11 +53,11 @@ def main(steps: int, generations: int) -> dict:
             [{"messages": row["messages"]} for row in batch], params, adapter_uri=policy
         )
         features, rewards = [], []
-        for row, res in zip(batch, responses):
+        for row, res in zip(batch, responses, strict=True):
             group = [reward(s.decoded, row["ground_truth"]) for s in res.sequences]
             mean = sum(group) / len(group)
             std = (sum((g - mean) ** 2 for g in group) / len(group)) ** 0.5 or 1.0
-            for seq, g in zip(res.sequences, group):
+            for seq, g in zip(res.sequences, group, strict=True):
                 features.append(dict(seq.new_input_feature, advantages=(g - mean) / std))
             rewards += group
         out = model.forward_backward(inputs=features)
