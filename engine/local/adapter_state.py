@@ -120,7 +120,7 @@ class AdapterState:
         o = cfg["optimizer"]
         optim = OptimizerConfig(
             float(o["lr"]),
-            tuple(float(b) for b in o["betas"]),
+            (float(o["betas"][0]), float(o["betas"][1])),
             float(o["eps"]),
             float(o["weight_decay"]),
         )

@@ -12,7 +12,7 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from engine.errors import UserInputError
 from engine.protocol import DEFAULT_LR
@@ -244,7 +244,7 @@ def make_schedule(scheduler: Any, kwargs: Mapping[str, Any]) -> LrSchedule:
             raise UserInputError(
                 f"set_lr_scheduler: a callable takes no arguments, got {sorted(kw)}"
             )
-        return LrSchedule(name="callable", fn=scheduler)
+        return LrSchedule(name="callable", fn=cast(Callable[[int], float], scheduler))
     name = (
         scheduler if isinstance(scheduler, str) else getattr(scheduler, "__name__", repr(scheduler))
     )

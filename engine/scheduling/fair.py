@@ -137,9 +137,7 @@ class FairScheduler:
         fuse_fn = self.fuse_fn
         assert fuse_fn is not None  # the worker fuses only while fuse_fn is set
         try:
-            results = await loop.run_in_executor(
-                self._pool, fuse_fn, [j.fuse_item for j in batch]
-            )
+            results = await loop.run_in_executor(self._pool, fuse_fn, [j.fuse_item for j in batch])
         except BaseException as exc:  # noqa: BLE001 - the whole call failed: every job gets it
             results = [exc] * len(batch)
         self.fused_batches += 1

@@ -75,7 +75,8 @@ class RedisKV:
         self._prefix = prefix
 
     async def get(self, key: str) -> bytes | None:
-        return await self._r.get(self._prefix + key)
+        value = await self._r.get(self._prefix + key)
+        return value.encode() if isinstance(value, str) else value  # a pool without decoding
 
     async def set(self, key: str, value: bytes, ttl_s: float, *, only_new: bool = False) -> bool:
         ms = max(1, int(ttl_s * 1000))

@@ -188,7 +188,7 @@ def encode_sample_output(
     return msg.SerializeToString()
 
 
-def _dense(t: pb.Tensor, arr: np.ndarray, dtype: int) -> None:
+def _dense(t: pb.Tensor, arr: np.ndarray, dtype: pb.DType.ValueType) -> None:
     t.dense = np.ascontiguousarray(arr).tobytes()
     t.dtype = dtype
     t.shape.extend(arr.shape)

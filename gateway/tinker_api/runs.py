@@ -49,13 +49,13 @@ def checkpoint_json(row: CheckpointRow) -> dict:
 
 def _visible(user_id: int):
     """Checkpoints a user may see: their own, and anyone's published ones (never ephemeral)."""
-    return (CheckpointRow.ephemeral == False) & (  # noqa: E712
-        (CheckpointRow.user_id == user_id) | (CheckpointRow.public == True)  # noqa: E712
+    return (col(CheckpointRow.ephemeral) == False) & (  # noqa: E712
+        (col(CheckpointRow.user_id) == user_id) | (col(CheckpointRow.public) == True)  # noqa: E712
     )
 
 
 def _runs_where(user_id: int, access_scope: str):
-    owned = TrainingRunRow.user_id == user_id
+    owned = col(TrainingRunRow.user_id) == user_id
     if access_scope == "owned":
         return owned
     public_runs = select(CheckpointRow.run_id).where(
@@ -152,7 +152,7 @@ async def list_run_checkpoints(
     """The checkpoints of a training run you can see, oldest first."""
     purge_expired_checkpoints(db)
     visible_run(db, who, run_id)
-    where = (CheckpointRow.run_id == run_id) & _visible(who.user_id)
+    where = (col(CheckpointRow.run_id) == run_id) & _visible(who.user_id)
     total = db.exec(select(func.count()).select_from(CheckpointRow).where(where)).one()
     rows = db.exec(
         select(CheckpointRow)

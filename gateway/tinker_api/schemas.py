@@ -44,7 +44,7 @@ class FinishSessionRequest(WireRequest):
 
 
 class LoraConfigWire(WireRequest):
-    rank: int = Field(32, ge=1)
+    rank: int = Field(default=32, ge=1)
     seed: int | None = None
     train_unembed: bool = True
     train_mlp: bool = True

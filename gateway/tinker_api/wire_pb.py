@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 _NAME = "gateway.tinker_api._tinker_public_pb2"
 
@@ -32,4 +33,7 @@ def _load():
     return module
 
 
-pb = _load()
+if TYPE_CHECKING:  # the type checker reads the SDK's stubs; at run time nothing runs the SDK
+    from tinker.proto import tinker_public_pb2 as pb
+else:
+    pb = _load()

@@ -9,6 +9,7 @@ reused, so both clients see one list); checkpoint paths are returned in both spe
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
@@ -25,7 +26,7 @@ from gateway.twinkle_api.templates import TOKENIZER_FILES
 router = APIRouter(prefix="/api/v1/twinkle")
 
 
-def _with_twinkle_paths(obj):
+def _with_twinkle_paths(obj: Any) -> Any:
     """Add ``twinkle_path`` next to every ``tinker_path`` in a JSON body."""
     if isinstance(obj, dict):
         out = {k: _with_twinkle_paths(v) for k, v in obj.items()}

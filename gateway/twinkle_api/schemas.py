@@ -21,7 +21,7 @@ class _Req(BaseModel):
 class CreateSessionRequest(_Req):
     metadata: dict[str, Any] | None = None
     tags: list[str] = Field(default_factory=list)
-    client_version: str | None = Field(None, max_length=32)
+    client_version: str | None = Field(default=None, max_length=32)
 
 
 class HeartbeatRequest(_Req):
@@ -39,20 +39,20 @@ class CloseModelRequest(_Req):
 
 class ModelCallRequest(_Req):
     model_id: str
-    adapter_name: str = Field("default", pattern=NAME_PATTERN)
+    adapter_name: str = Field(default="default", pattern=NAME_PATTERN)
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class SamplingParamsWire(_Req):
-    max_tokens: int = Field(64, ge=1, le=8192)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    max_tokens: int = Field(default=64, ge=1, le=8192)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1)
     seed: int | None = None
     stop: str | list[str] | list[int] | None = None
-    num_samples: int = Field(1, ge=1, le=64)
+    num_samples: int = Field(default=1, ge=1, le=64)
     logprobs: int | None = Field(
-        None, ge=0, le=1, description="accepted; sampled-token logprobs are always returned"
+        default=None, ge=0, le=1, description="accepted; sampled-token logprobs are always returned"
     )
     prompt_logprobs: bool = False
 
