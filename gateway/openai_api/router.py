@@ -24,9 +24,9 @@ from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.openai_api import responses, streaming
+from gateway.openai_api.admission import admitted
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from gateway.quotas.concurrency import SamplingLimiterDep
-from gateway.quotas.metering import SampleMeter
 from gateway.runs.checkpoints import readable_checkpoint
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -230,14 +230,12 @@ async def chat_completions(
     limiter: SamplingLimiterDep,
     request: Request,
 ):
+    """A chat completion (or its SSE stream) from a base model or one of your checkpoints."""
     _check_unsupported(req)
     stops = req.stop_strings()
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     target = resolve_model(db, who, engine, req.model)
-    limits = limiter.quotas.limits(who, db)
-    slot = await limiter.acquire(who, limits)
-    meter = None
-    try:
+    async with admitted(request, who, db, limiter) as adm:
         try:
             prompt = await engine.sampler(target.base_model, "encode_chat", messages)
         except UserInputError as exc:
@@ -247,36 +245,27 @@ async def chat_completions(
             explicit, DEFAULT_CHAT_MAX_TOKENS, len(prompt), config, target.base_model
         )
         params = _params(req, max_tokens, stops)
-        meter = await SampleMeter.start(
-            request.app.state, who, limits, target.base_model, len(prompt), max_tokens * req.n
-        )
+        await adm.meter(target.base_model, len(prompt), max_tokens * req.n)
         rid, created, logprobs = responses.new_id("chatcmpl"), responses.now(), bool(req.logprobs)
         if req.stream:
-            inp = _sample_input(target, prompt, req.n, params)
             events = await streaming.open_stream(
-                streaming.sample_events(engine, target.base_model, inp, stops, 0),
+                streaming.sample_events(
+                    engine,
+                    target.base_model,
+                    _sample_input(target, prompt, req.n, params),
+                    stops,
+                    0,
+                ),
                 lambda exc: _engine_error(exc, "messages"),
             )
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = streaming.chat_sse(
-                rid,
-                req.model,
-                created,
-                req.n,
-                events,
-                len(prompt),
-                logprobs,
-                include_usage,
-                _finisher(meter, slot),
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(
+                streaming.chat_sse(
+                    rid, req.model, created, req.n, events, len(prompt), logprobs, usage, adm.finish
+                )
             )
-            return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
         choices = await _sample(engine, target, prompt, req.n, params, stops, 0, "messages")
-    except BaseException:
-        if meter is not None:
-            await meter.finish(None)
-        await slot.release()
-        raise
-    await _finisher(meter, slot)(choices)
+    await adm.finish(choices)
     return responses.chat_completion(rid, req.model, created, choices, len(prompt), logprobs)
 
 
@@ -304,84 +293,72 @@ async def completions(
     limiter: SamplingLimiterDep,
     request: Request,
 ):
+    """Text completions (or their SSE stream) of one or more prompts, text or token ids."""
     _check_unsupported(req)
     stops = req.stop_strings()
     prompts = _prompts(req)
     target = resolve_model(db, who, engine, req.model)
     rid, created = responses.new_id("cmpl"), responses.now()
     logprobs = req.logprobs is not None
-    limits = limiter.quotas.limits(who, db)
-    slot = await limiter.acquire(who, limits)
-    meter = None
-    try:
-        inputs: list[tuple[str, SampleInput]] = []
-        prompt_tokens = budget = 0
-        for k, p in enumerate(prompts):
-            field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
-            try:
-                tokens = (
-                    await engine.sampler(target.base_model, "encode_text", p)
-                    if isinstance(p, str)
-                    else p
-                )
-            except UserInputError as exc:
-                raise _as_invalid(exc, field) from None
-            if not tokens:
-                raise InvalidRequestError(f"{field}: must contain at least one token")
-            prompt_tokens += len(tokens)
-            max_tokens = _max_tokens(
-                req.max_tokens,
-                DEFAULT_COMPLETION_MAX_TOKENS,
-                len(tokens),
-                config,
-                target.base_model,
-            )
-            budget += max_tokens * req.n
-            params = _params(req, max_tokens, stops)
-            inputs.append((field, _sample_input(target, tokens, req.n, params)))
-        meter = await SampleMeter.start(
-            request.app.state, who, limits, target.base_model, prompt_tokens, budget
+    async with admitted(request, who, db, limiter) as adm:
+        inputs, prompt_tokens, budget = await _completion_inputs(
+            req, prompts, engine, target, config, stops
         )
+        await adm.meter(target.base_model, prompt_tokens, budget)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            usage = bool(req.stream_options and req.stream_options.include_usage)
             events = await streaming.open_stream(
                 _chain_events(engine, target, inputs, stops, req.n),
                 lambda exc: _engine_error(exc, inputs[0][0]),
             )
-            stream = streaming.completion_sse(
-                rid,
-                req.model,
-                created,
-                events,
-                prompt_tokens,
-                logprobs,
-                include_usage,
-                _finisher(meter, slot),
+            return _sse(
+                streaming.completion_sse(
+                    rid, req.model, created, events, prompt_tokens, logprobs, usage, adm.finish
+                )
             )
-            return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
         choices: list[responses.Choice] = []
         for k, (field, inp) in enumerate(inputs):
             choices += await _run(engine, target, inp, stops, k * req.n, field)
-    except BaseException:
-        if meter is not None:
-            await meter.finish(None)
-        await slot.release()
-        raise
-    await _finisher(meter, slot)(choices)
+    await adm.finish(choices)
     return responses.completion(rid, req.model, created, choices, prompt_tokens, logprobs)
 
 
-def _finisher(meter: SampleMeter, slot):
-    """Called once with the finished choices (None: the request failed or the client left):
-    refund the unused token budget, record usage, free the sampling slot."""
-
-    async def finish(choices: list[responses.Choice] | None) -> None:
+async def _completion_inputs(
+    req: CompletionRequest,
+    prompts: list[str | list[int]],
+    engine,
+    target: Target,
+    config,
+    stops: list[str],
+) -> tuple[list[tuple[str, SampleInput]], int, int]:
+    """One engine input per prompt (tokenized by the Sampler), with the field name its errors
+    name, plus the prompt tokens and the sampled-token budget to meter."""
+    inputs: list[tuple[str, SampleInput]] = []
+    prompt_tokens = budget = 0
+    for k, p in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
         try:
-            await meter.finish(None if choices is None else sum(c.n_tokens for c in choices))
-        finally:
-            await slot.release()
+            tokens = (
+                await engine.sampler(target.base_model, "encode_text", p)
+                if isinstance(p, str)
+                else p
+            )
+        except UserInputError as exc:
+            raise _as_invalid(exc, field) from None
+        if not tokens:
+            raise InvalidRequestError(f"{field}: must contain at least one token")
+        prompt_tokens += len(tokens)
+        max_tokens = _max_tokens(
+            req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(tokens), config, target.base_model
+        )
+        budget += max_tokens * req.n
+        params = _params(req, max_tokens, stops)
+        inputs.append((field, _sample_input(target, tokens, req.n, params)))
+    return inputs, prompt_tokens, budget
 
-    return finish
+
+def _sse(stream) -> StreamingResponse:
+    return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 async def _chain_events(engine, target: Target, inputs, stops: list[str], n: int):
