@@ -55,7 +55,9 @@ def build_engines(data: Path, n: int = 1) -> list[dict]:
     from engine.sampler import Sampler  # torch: only where an engine is built
     from engine.trainer import Trainer
 
-    m = ServerConfig().models[0]
+    # sequential: what `auto` measures and picks on CPU anyway (README, engine), without paying
+    # the start-up probe (~1-2 s) in every gateway test; the probe has its own unit tests
+    m = ServerConfig().models[0].model_copy(update={"execution": "sequential"})
     return [
         {BASE: {"trainer": Trainer(m, str(data)), "sampler": Sampler(m, str(data))}}
         for _ in range(n)
