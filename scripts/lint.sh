@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The guardrails: ruff (rules in pyproject.toml), pyright (basic, pyrightconfig.json) over gateway/,
 # engine/ and client/, and the import contracts (.importlinter). Any finding fails; CI runs this
-# before the tests. pyright runs on the machine's Node.js (or fetches its npm package once).
+# beside the tests. The pyright wheel carries its JavaScript and runs it on the machine's Node.js
+# (these machines ship Node 20), so nothing is downloaded at run time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
