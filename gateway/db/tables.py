@@ -101,6 +101,18 @@ class TrainingRunRow(SQLModel, table=True):
     created_at: NaiveDatetime = Field(default_factory=utcnow)
     last_request_time: NaiveDatetime = Field(default_factory=utcnow)
 
+    def adapter_shape(self) -> dict[str, Any]:
+        """The fields a new run built from this one's adapter keeps: base model, rank, targets,
+        seed (copy_weights, load_weights into a new model)."""
+        return {
+            "base_model": self.base_model,
+            "lora_rank": self.lora_rank,
+            "train_attn": self.train_attn,
+            "train_mlp": self.train_mlp,
+            "train_unembed": self.train_unembed,
+            "seed": self.seed,
+        }
+
 
 class CheckpointRow(SQLModel, table=True):
     """A saved checkpoint. ``kind`` is "training" (weights/), "sampler" (sampler_weights/) or

@@ -77,12 +77,7 @@ def owned_checkpoint(db, who, run_id: str, checkpoint_id: str) -> CheckpointRow:
 )
 async def publish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep) -> dict:
     """Make one of your checkpoints readable by every user (RestClient.publish_checkpoint)."""
-    row = owned_checkpoint(db, who, run_id, checkpoint_id)
-    row.public = True
-    db.add(row)
-    db.commit()
-    db.refresh(row)
-    return checkpoint_json(row)
+    return _set_public(db, owned_checkpoint(db, who, run_id, checkpoint_id), True)
 
 
 @router.delete(
@@ -90,8 +85,11 @@ async def publish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep)
 )
 async def unpublish(run_id: str, checkpoint_id: str, who: PrincipalDep, db: DbDep) -> dict:
     """Make a published checkpoint private again."""
-    row = owned_checkpoint(db, who, run_id, checkpoint_id)
-    row.public = False
+    return _set_public(db, owned_checkpoint(db, who, run_id, checkpoint_id), False)
+
+
+def _set_public(db, row: CheckpointRow, public: bool) -> dict:
+    row.public = public
     db.add(row)
     db.commit()
     db.refresh(row)
@@ -164,12 +162,7 @@ async def copy_weights(
             id=run_id,
             session_id=session.id,
             user_id=who.user_id,
-            base_model=source_run.base_model,
-            lora_rank=source_run.lora_rank,
-            train_attn=source_run.train_attn,
-            train_mlp=source_run.train_mlp,
-            train_unembed=source_run.train_unembed,
-            seed=source_run.seed,
+            **source_run.adapter_shape(),
             user_metadata={"copied_from": src.tinker_path},
         )
     )

@@ -274,7 +274,16 @@ async def load_weights(req: LoadWeightsRequest, t: TinkerDep) -> dict:
     session_id, model_id = _load_target(t, req, source)
 
     async def prepare_new() -> Prepared:
-        await _add_run(t, _run_like(source, session_id, model_id, req, t))
+        await _add_run(
+            t,
+            TrainingRunRow(
+                id=model_id,
+                session_id=session_id,
+                user_id=t.who.user_id,
+                **source.adapter_shape(),
+                user_metadata=req.user_metadata or {},
+            ),
+        )
         run = _load_state(t, source.base_model, model_id, None, ckpt.storage_dir, req)
         return run, {"base_model": source.base_model}
 
@@ -296,24 +305,6 @@ def _load_target(t: Tinker, req: LoadWeightsRequest, source: TrainingRunRow) -> 
     if t.config.model(source.base_model) is None:
         raise InvalidRequestError(f"path: base model {source.base_model} is no longer served")
     return session.id, f"{session.id}:train:{req.model_seq_id}"
-
-
-def _run_like(
-    source: TrainingRunRow, session_id: str, model_id: str, req: LoadWeightsRequest, t: Tinker
-) -> TrainingRunRow:
-    """A new model's row with ``source``'s adapter shape."""
-    return TrainingRunRow(
-        id=model_id,
-        session_id=session_id,
-        user_id=t.who.user_id,
-        base_model=source.base_model,
-        lora_rank=source.lora_rank,
-        train_attn=source.train_attn,
-        train_mlp=source.train_mlp,
-        train_unembed=source.train_unembed,
-        seed=source.seed,
-        user_metadata=req.user_metadata or {},
-    )
 
 
 def _load_state(

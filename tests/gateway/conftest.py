@@ -14,11 +14,11 @@ Postgres and Redis are the real servers of tests/conftest.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -66,26 +66,10 @@ class GatewayEnv:
         self.close()
 
 
-class GatewayBuilder(Protocol):
-    def __call__(
-        self,
-        *,
-        db: str = "sqlite",
-        kv: str = "memory",
-        data: Path | None = None,
-        db_url: str | None = None,
-        engines: dict | None = None,
-        engine_client: EngineClient | None = None,
-        gateway: dict | None = None,
-        flush_kv: bool = True,
-        **config: Any,
-    ) -> GatewayEnv: ...
-
-
 @pytest.fixture(scope="module")
 def make_gateway(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayBuilder]:
+) -> Iterator[Callable[..., GatewayEnv]]:
     """Build a real gateway app, entered in a `TestClient` and shut down at the end of the module
     (or earlier with ``with make_gateway(...) as gw:`` / ``gw.close()``).
 
