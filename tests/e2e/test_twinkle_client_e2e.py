@@ -94,7 +94,10 @@ def test_plain_tinker_code_after_init_tinker_client(server, tmp_path):
 def test_grpo_cookbook(server, tmp_path):
     env = _bare_env(server, server.create_key("erin"), tmp_path)
     script = REPO / "cookbook/client/twinkle/self_host/grpo.py"
-    res = _run([sys.executable, str(script), "--steps", "2", "--generations", "2"], env)
+    # seeded: unseeded, both groups of 2 sometimes score alike (zero advantages, so no gradient;
+    # seen once in 6 CI runs), which is GRPO behaving, not a failure
+    args = ["--steps", "2", "--generations", "2", "--seed", "0"]
+    res = _run([sys.executable, str(script), *args], env)
     assert len(res["steps"]) == 2
     assert all(s["grad_norm"] > 0 and s["step"] >= 1 for s in res["steps"])
 

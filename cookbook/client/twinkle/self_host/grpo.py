@@ -7,7 +7,9 @@ Each step saves the adapter for sampling (``save(..., is_sampler=True)``), sampl
 ``--generations`` completions per prompt from it, scores them (exact final number, plus a small
 brevity bonus), turns rewards into group-relative advantages, and trains GRPOLoss on each
 sequence's ``new_input_feature`` (prompt + completion, completion-only labels, the sampler's
-log-probs as the old policy). Prints one JSON line per run.
+log-probs as the old policy). Prints one JSON line per run. A group whose completions all score
+the same has zero advantages and adds no gradient (GRPO's rule); ``--seed`` makes a run
+reproducible.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def reward(text: str, truth: str | None) -> float:
     return correct - 0.01 * len(text)
 
 
-def main(steps: int, generations: int) -> dict:
+def main(steps: int, generations: int, seed: int | None = None) -> dict:
     client = init_twinkle_client()
     prompts = Dataset(str(DATA)).map("MathProcessor")  # {"messages", "ground_truth"}
     loader = DataLoader(prompts, batch_size=2, shuffle=True, seed=0)
@@ -49,6 +51,8 @@ def main(steps: int, generations: int) -> dict:
         batch = next(iter(loader), None) or next(iter(loader))
         policy = model.save(f"grpo-policy-{step}", is_sampler=True)
         params = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "num_samples": generations}
+        if seed is not None:  # reproducible runs: each step samples with its own seed
+            params["seed"] = seed + step
         responses = sampler.sample(
             [{"messages": row["messages"]} for row in batch], params, adapter_uri=policy
         )
@@ -73,5 +77,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--generations", type=int, default=4)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
     a = p.parse_args()
-    print(json.dumps(main(a.steps, a.generations)))
+    print(json.dumps(main(a.steps, a.generations, a.seed)))
