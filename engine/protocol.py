@@ -270,6 +270,7 @@ class SampleDelta:
 NATIVE_MODEL_METHODS = frozenset(
     {
         "add_adapter_to_model",
+        "add_metric",
         "remove_adapter",
         "set_template",
         "set_processor",

@@ -102,6 +102,15 @@ class GoneError(GatewayError):
     default_message = "gone"
 
 
+class NotImplementedOnServerError(GatewayError):
+    """501: a method of a client's protocol this server does not offer (e.g. upstream Twinkle's
+    upload_to_hub without a hub): the message says what to do instead."""
+
+    status_code = 501
+    code = "not_implemented"
+    default_message = "not implemented on this server"
+
+
 class RateLimitedError(GatewayError):
     """``RateLimitedError(message, retry_after_s)``; the second arg is optional (default 1 s)."""
 
@@ -197,7 +206,7 @@ def format_validation_errors(errors: Any) -> tuple[str, list[dict[str, Any]]]:
 
 async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayError)
-    if exc.status_code >= 500:
+    if exc.status_code >= 500 and not isinstance(exc, NotImplementedOnServerError):
         log.error("gateway error %s: %s", type(exc).__name__, exc.message, exc_info=exc)
     extra = exc.body_extra() if isinstance(exc, QuotaExceededError) else None
     return error_response(request, exc.status_code, exc.code, exc.message, exc.headers(), extra)

@@ -1,27 +1,26 @@
-"""The native Twinkle API (``/api/v1/twinkle/...``) for `twinkle_client`: management, models
-that mirror the engine's `MultiLoraTransformersModel` (hosted by the Trainer that holds their
-adapters, engine/native/; the gateway keeps who owns them), sampling and encoding. Shares the
-engine, auth, ownership and checkpoints with the Tinker routes.
+"""The native Twinkle API: upstream Twinkle's own protocol (twinkle-kit 0.5.1's `twinkle_client`,
+and ours, which speaks the same), sharing the engine, auth, quotas, ownership and checkpoints with
+the Tinker routes.
 
-Routes (all need an API key; other users' ids answer 404)::
+Routes (all need an API key; model and sampler calls also the caller's ``X-Twinkle-Session-Id``;
+other users' sessions, runs and checkpoints answer 404)::
 
-    POST   create_session, session_heartbeat           sessions (shared table with Tinker)
-    GET    get_server_capabilities, capacity_info
-    GET    training_runs, training_runs/{id}, training_runs/{id}/checkpoints
-    GET    checkpoint?path=   DELETE checkpoint?path=  by twinkle:// or tinker:// path
-    GET    tokenizer?base_model=, tokenizer/{file}?base_model=
-    POST   model/create {session_id, base_model}       -> model_id
-    POST   model/{method} {model_id, adapter_name, kwargs}   engine-class methods
-    POST   model/close {model_id}
-    POST   encode, sample, sampler/set_template
+    /api/v1/twinkle/          management.py: create_session, session_heartbeat,
+                              get_server_capabilities, capacity_info, training_runs[/{id}[/
+                              checkpoints]], checkpoint?path=, tokenizer[/{file}]
+                              sampling.py: encode (the data toolkit's templates)
+    /api/v1/model/<base>/twinkle/<method>     model_routes.py (+ model_calls.py): create, then
+                              the methods of the engine's MultiLoraTransformersModel
+    /api/v1/sampler/<base>/twinkle/<method>   sampler_routes.py: create, set_template, sample,
+                              sample_stream
 """
 
 from fastapi import APIRouter
 
-from gateway.twinkle_api import management, model_routes, sampling
+from gateway.twinkle_api import management, model_routes, sampler_routes, sampling
 
 router = APIRouter()
-for _module in (management, sampling, model_routes):
+for _module in (management, sampling, model_routes, sampler_routes):
     router.include_router(_module.router)
 
 __all__ = ["router"]

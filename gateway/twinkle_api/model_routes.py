@@ -1,324 +1,223 @@
-"""Native model routes: ``POST /api/v1/twinkle/model/create``, ``/model/close`` and
-``/model/{method}``.
+"""Upstream Twinkle's native model protocol (twinkle-kit 0.5.1's ``MultiLoraTransformersModel``):
+``POST /api/v1/model/<base_model>/twinkle/<method>``.
 
-A native model is the engine's `MultiLoraTransformersModel`, hosted by the Trainer replica that
-holds its adapters (engine/native/host.py); these routes check ownership (model_registry.py),
-then forward the call by model id through the engine client. The engine checks ``kwargs`` against
-the method's own signature, so a remote call behaves exactly as the in-process call, including
-its errors (400 naming the argument or rule). What the gateway adds is what needs the DB and
-quotas: each adapter is a training run of the caller's (created on add_adapter_to_model, under
-the Tinker create_model quotas), and checkpoints are names and ``twinkle://`` paths instead of
-server directories (``output_dir`` is refused), recorded as the caller's checkpoints of the
-adapter's run, so the Tinker RestClient and the native management calls list and delete them
-alike.
+The client names no model id: a model is the caller's session (``X-Twinkle-Session-Id``, which
+must be one of the caller's sessions) on one base model, and its adapters are named per call by
+``adapter_name``. ``create`` hosts the model in the Trainer (engine/native/host.py: the engine's
+own `MultiLoraTransformersModel`); every other method is forwarded to it with the body's fields
+as keyword arguments, renamed where upstream's client names them differently (``loss_cls`` →
+``loss`` ...). The engine binds them against the method's signature, so an unknown or missing
+argument is a 400 naming it. model_calls.py adds what needs the DB (runs, quotas, checkpoints).
+
+Answers have upstream's shapes: ``{"result": ...}`` for the methods whose upstream response
+carries one, ``{"status": "ok"}`` (plus our ``result`` where there is one) for the others;
+``save`` answers ``{"twinkle_path", "checkpoint_dir"}`` without any server path. Where upstream
+answers a 500 with a traceback, this answers a 4xx naming the field; class names are an
+allow-list (nothing is imported or instantiated by name).
 """
 
 from __future__ import annotations
 
-import shutil
-import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+import hashlib
+import json
+from typing import Annotated, Any
 
-import numpy as np
-from fastapi import APIRouter, Request
-from sqlmodel import Session, select
+from fastapi import APIRouter, Body, Depends, Request
 
-from engine.protocol import (
-    NATIVE_MODEL_METHODS,
-    LoraSpec,
-    lora_spec_from_config,
-    native_model_id,
-)
+from engine.protocol import NATIVE_MODEL_METHODS, native_model_id
 from gateway.accounts.keys import Principal
-from gateway.db.tables import CheckpointRow, TrainingRunRow, utcnow
+from gateway.config import ServerConfig
+from gateway.db.tables import SessionRow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep, owned_session
-from gateway.engine_client import EngineClient
-from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.runs.checkpoints import ParsedPath, new_storage_dir, readable_checkpoint, validate_name
-from gateway.settings import Settings
+from gateway.errors import InvalidRequestError, NotFoundError, NotImplementedOnServerError
+from gateway.twinkle_api.model_calls import SPECIAL, Call, jsonable
 from gateway.twinkle_api.model_registry import NativeModel, NativeModelsDep
-from gateway.twinkle_api.schemas import CloseModelRequest, CreateModelRequest, ModelCallRequest
-from gateway.twinkle_api.templates import check_processor, check_template
+from gateway.twinkle_api.schemas import NAME_PATTERN
 
-router = APIRouter(prefix="/api/v1/twinkle")
+router = APIRouter(prefix="/api/v1/model")
+SESSION_HEADER = "x-twinkle-session-id"
+
+#: upstream's body field for the class name → the engine method's argument
+_CLASS_ARG = {
+    "set_loss": ("loss_cls", "loss"),
+    "set_optimizer": ("optimizer_cls", "optimizer"),
+    "set_lr_scheduler": ("scheduler_cls", "scheduler"),
+    "set_template": ("template_cls", "template"),
+    "set_processor": ("processor_cls", "processor"),
+    "add_metric": ("metric_cls", "metric"),
+}
+#: methods whose upstream answer is ``{"result": ...}``; the rest answer ``{"status": "ok"}``
+_RESULT_METHODS = {
+    "forward",
+    "forward_only",
+    "forward_backward",
+    "calculate_loss",
+    "clip_grad_norm",
+    "calculate_metric",
+    "get_train_configs",
+    "resume_from_checkpoint",
+}
+_UNAVAILABLE = {
+    "upload_to_hub": "no model hub is configured on this server; download checkpoints with the "
+    "Tinker RestClient (get_checkpoint_archive_url) or load them by twinkle:// path",
+    "get_state_dict": "adapter weights are not returned over the API; save a checkpoint "
+    "(model.save) and download it, or load it by twinkle:// path",
+    "apply_patch": "no model patches are available on this server",
+}
 
 
-def jsonable(value: Any) -> Any:
-    """numpy arrays / scalars and tuples as plain JSON values."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
-
-
-def twinkle_path(tinker_path: str) -> str:
-    return "twinkle://" + tinker_path.removeprefix("tinker://")
-
-
-@dataclass
-class Call:
-    """One ``model/{method}`` call: the owned model and what the special methods need."""
-
-    nm: NativeModel
-    adapter: str
-    who: Principal
-    db: Session
-    engine: EngineClient
-    settings: Settings
-    quotas: Any
-
-    async def invoke(self, method: str, kwargs: dict) -> Any:
-        nm = self.nm
-        return await self.engine.trainer(
-            nm.base_model, "native_call", nm.model_id, nm.tenant, method, self.adapter, kwargs
+def resolve_base_model(config: ServerConfig, base_model: str) -> str:
+    """The served model a URL names: upstream strips ``ms://`` / ``hf://`` client-side, but a
+    hand-written URL may keep it."""
+    name = base_model.split("://", 1)[-1].strip("/")
+    if config.model(name) is None:
+        raise NotFoundError(
+            f"base_model: {name!r} is not served here; available: "
+            f"{', '.join(m.name for m in config.models)}"
         )
-
-    async def has_adapter(self) -> bool:
-        nm = self.nm
-        names = await self.engine.trainer(nm.base_model, "native_adapters", nm.model_id, nm.tenant)
-        return self.adapter in names
+    return name
 
 
-@router.post("/model/create")
-async def create_model(
-    req: CreateModelRequest,
+def _session(request: Request, who: Principal, db) -> SessionRow:
+    sid = request.headers.get(SESSION_HEADER)
+    if not sid:
+        raise InvalidRequestError(
+            "X-Twinkle-Session-Id: header required (init_twinkle_client creates the session "
+            "and sends it with every call)"
+        )
+    return owned_session(db, who, sid)
+
+
+def session_model_id(session_id: str, base_model: str) -> str:
+    """The native model of one session on one base model (upstream's client names none)."""
+    return native_model_id(session_id, hashlib.sha256(base_model.encode()).hexdigest()[:8])
+
+
+async def _owned_model(
+    base_model: str, request: Request, who: PrincipalDep, db: DbDep, config: ConfigDep,
+    models: NativeModelsDep,
+) -> NativeModel:  # fmt: skip
+    name = resolve_base_model(config, base_model)
+    session = _session(request, who, db)
+    model_id = session_model_id(session.id, name)
+    try:
+        return await models.owned(model_id, who.user_id)
+    except NotFoundError:
+        raise NotFoundError(
+            f"model: no model for {name!r} in session {session.id} (the client's constructor "
+            "calls create; after a server restart create it again and resume_from_checkpoint)"
+        ) from None
+
+
+OwnedModelDep = Annotated[NativeModel, Depends(_owned_model)]
+
+
+@router.post("/{base_model:path}/twinkle/create")
+async def create(
+    base_model: str,
+    request: Request,
     who: PrincipalDep,
     db: DbDep,
     engine: EngineDep,
     config: ConfigDep,
     models: NativeModelsDep,
+    body: Annotated[dict[str, Any] | None, Body()] = None,
 ) -> dict:
-    session = owned_session(db, who, req.session_id)
-    if config.model(req.base_model) is None:
+    """Host the session's model on ``base_model`` (idempotent: a second client object in the
+    same session shares it, as upstream's server does)."""
+    name = resolve_base_model(config, base_model)
+    session = _session(request, who, db)
+    model_id = session_model_id(session.id, name)
+    try:
+        nm = await models.owned(model_id, who.user_id)
+    except NotFoundError:
+        nm = None
+    info = await engine.trainer(name, "native_create", model_id, str(who.user_id))
+    if nm is None:
+        rank = int(info["max_lora_rank"])
+        await models.add(NativeModel(model_id, who.user_id, session.id, name, rank))
+    return {"status": "ok", "base_model": name, "max_lora_rank": int(info["max_lora_rank"])}
+
+
+def _adapter_name(body: dict[str, Any], method: str) -> str:
+    import re
+
+    name = body.pop("adapter_name", None)
+    if method == "add_adapter_to_model" and not name:
+        raise InvalidRequestError("adapter_name: required")
+    name = name or "default"
+    if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
         raise InvalidRequestError(
-            f"base_model: {req.base_model!r} is not served here; available: "
-            f"{[m.name for m in config.models]}"
+            f"adapter_name: {name!r} must be 1-64 letters, digits, '.', '_' or '-' (starting "
+            "with a letter or digit)"
         )
-    model_id = native_model_id(session.id, uuid.uuid4().hex[:8])
-    info = await engine.trainer(req.base_model, "native_create", model_id, str(who.user_id))
-    rank = int(info["max_lora_rank"])
-    await models.add(NativeModel(model_id, who.user_id, session.id, req.base_model, rank))
-    return {"model_id": model_id, "base_model": req.base_model, "max_lora_rank": rank}
+    return name
 
 
-@router.post("/model/close")
-async def close_model(
-    req: CloseModelRequest, who: PrincipalDep, engine: EngineDep, models: NativeModelsDep
-) -> dict:
-    """Drop the model's adapters from the Trainer and forget the model (runs and checkpoints
-    stay)."""
-    nm = await models.owned(req.model_id, who.user_id)
-    await engine.trainer(nm.base_model, "native_close", nm.model_id, nm.tenant)
-    await models.drop(nm.model_id)
-    return {"closed": nm.model_id}
+def _kwargs(method: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Upstream's flat body as the engine method's keyword arguments."""
+    kw = dict(body)
+    if method in _CLASS_ARG:
+        wire, arg = _CLASS_ARG[method]
+        if not isinstance(kw.get(wire), str) or not kw[wire]:
+            raise InvalidRequestError(f"{wire}: a class name (string) is required")
+        kw[arg] = kw.pop(wire)
+    if method == "add_metric" and kw.get("is_training") is None:
+        kw.pop("is_training", None)
+    return kw
 
 
-@router.post("/model/{method}")
-async def call_model(
+def _answer(method: str, result: Any) -> dict:
+    if method == "save":
+        return jsonable(result)
+    if method == "get_train_configs":  # upstream: a string (its client's type is `str`)
+        return {"result": json.dumps(jsonable(result), sort_keys=True)}
+    if method == "clip_grad_norm":  # upstream: the norm as a string
+        return {"result": str(result)}
+    if method in _RESULT_METHODS:
+        return {"result": jsonable(result)}
+    out: dict[str, Any] = {"status": "ok"}
+    if result is not None:
+        out["result"] = jsonable(result)
+    return out
+
+
+@router.post("/{base_model:path}/twinkle/{method}")
+async def call(
     method: str,
-    req: ModelCallRequest,
+    nm: OwnedModelDep,
     request: Request,
     who: PrincipalDep,
     db: DbDep,
     engine: EngineDep,
     settings: SettingsDep,
-    models: NativeModelsDep,
+    body: Annotated[dict[str, Any] | None, Body()] = None,
 ) -> dict:
+    if method in _UNAVAILABLE:
+        raise NotImplementedOnServerError(
+            f"{method}: not available on this server: " + _UNAVAILABLE[method]
+        )
     if method not in NATIVE_MODEL_METHODS:
         raise NotFoundError(
             f"method: {method!r} is not a model method; available: "
-            f"{', '.join(sorted(NATIVE_MODEL_METHODS))}"
+            f"create, {', '.join(sorted(NATIVE_MODEL_METHODS))}"
         )
-    nm = await models.owned(req.model_id, who.user_id)
-    call = Call(nm, req.adapter_name, who, db, engine, settings, request.app.state.quotas)
-    handler = _SPECIAL.get(method)
-    kw = dict(req.kwargs)
-    result = await (handler(call, kw) if handler else call.invoke(method, kw))
-    return {"result": jsonable(result)}
+    body = dict(body or {})
+    adapter = _adapter_name(body, method)
+    kw = _kwargs(method, body)
+    c = Call(nm, adapter, who, db, engine, settings, request.app.state.quotas)
+    handler = SPECIAL.get(method)
+    result = await (handler(c, kw) if handler else c.invoke(method, kw))
+    return _answer(method, result)
 
 
-async def _set_template(call: Call, kw: dict) -> Any:
-    check_template(kw.get("template"), {k: v for k, v in kw.items() if k != "template"})
-    return await call.invoke("set_template", kw)
+@router.get("/{base_model:path}/twinkle/upload_status/{request_id}")
+async def upload_status(base_model: str, request_id: str, who: PrincipalDep) -> dict:
+    raise NotFoundError(f"request_id: no upload {request_id!r} (uploads are not available here)")
 
 
-async def _set_processor(call: Call, kw: dict) -> Any:
-    check_processor(kw.get("processor"), {k: v for k, v in kw.items() if k != "processor"})
-    return await call.invoke("set_processor", kw)
-
-
-def _no_server_paths(kw: dict) -> None:
-    if kw.pop("output_dir", None) is not None:
-        raise InvalidRequestError(
-            "output_dir: server directories are not accepted; use a checkpoint name or a "
-            "twinkle:// path"
-        )
-
-
-def _checkpoint(call: Call, ref: Any, field: str) -> tuple[CheckpointRow, TrainingRunRow]:
-    """The caller's checkpoint by name (of this adapter's run) or path, trained on this model,
-    and the run it belongs to."""
-    if not isinstance(ref, str) or not ref:
-        raise InvalidRequestError(f"{field}: must be a checkpoint name or a twinkle:// path")
-    if "://" not in ref:
-        validate_name(ref, field)
-        ref = ParsedPath(call.nm.run_id(call.adapter), "training", ref).tinker_path
-    ckpt = readable_checkpoint(call.db, call.who.user_id, ref, field)
-    src = call.db.get(TrainingRunRow, ckpt.run_id)
-    if src is None or src.base_model != call.nm.base_model:
-        base = src.base_model if src else "?"
-        raise InvalidRequestError(
-            f"{field}: checkpoint was trained on {base}, this model is {call.nm.base_model}"
-        )
-    return ckpt, src
-
-
-def _spec_of(run: TrainingRunRow) -> LoraSpec:
-    return LoraSpec(
-        rank=run.lora_rank,
-        train_attn=run.train_attn,
-        train_mlp=run.train_mlp,
-        train_unembed=run.train_unembed,
-        seed=run.seed,
-    )
-
-
-def _ensure_run_row(call: Call, spec: LoraSpec) -> TrainingRunRow:
-    db, rid = call.db, call.nm.run_id(call.adapter)
-    row = db.get(TrainingRunRow, rid)
-    if row is None:
-        row = TrainingRunRow(
-            id=rid,
-            session_id=call.nm.session_id,
-            user_id=call.who.user_id,
-            base_model=call.nm.base_model,
-            lora_rank=spec.rank,
-            train_attn=spec.train_attn,
-            train_mlp=spec.train_mlp,
-            train_unembed=spec.train_unembed,
-            seed=spec.seed,
-            user_metadata={"client": "twinkle", "adapter_name": call.adapter},
-        )
-        db.add(row)
-        db.commit()
-    return row
-
-
-async def _add_adapter(call: Call, kw: dict) -> None:
-    nm, name, db, who, quotas = call.nm, call.adapter, call.db, call.who, call.quotas
-    if "config" not in kw:
-        raise InvalidRequestError(
-            "kwargs.config: a LoRA config (dict) or a checkpoint path is required"
-        )
-    if await call.has_adapter():
-        raise InvalidRequestError(f"adapter_name: {name!r} exists already in this model")
-    config = kw["config"]
-    if isinstance(config, str):  # start from a checkpoint's weights
-        ckpt, src = _checkpoint(call, config, "config")
-        spec = _spec_of(src)
-        kw["config"] = ckpt.storage_dir
-    elif isinstance(config, dict):
-        spec = lora_spec_from_config(config)
-        if spec.rank > nm.max_lora_rank:
-            raise InvalidRequestError(
-                f"config.r: rank {spec.rank} exceeds max LoRA rank {nm.max_lora_rank} "
-                f"for model {nm.base_model}"
-            )
-    else:
-        raise InvalidRequestError("kwargs.config: must be a LoRA config dict or a checkpoint path")
-    # the same quotas as Tinker's create_model: max LoRA rank, concurrent training clients
-    limits = quotas.limits(who, db)
-    quotas.check_lora_rank(who, spec.rank, limits)
-    await quotas.acquire_training_client(who, nm.run_id(name), limits, db)
-    existed = db.get(TrainingRunRow, nm.run_id(name)) is not None
-    row = _ensure_run_row(call, spec)
-    if existed:  # re-added after remove_adapter: the run (and its checkpoints) continue
-        row.lora_rank, row.seed = spec.rank, spec.seed
-        row.train_attn, row.train_mlp = spec.train_attn, spec.train_mlp
-        row.train_unembed = spec.train_unembed
-        db.add(row)
-        db.commit()
-    try:
-        await call.invoke("add_adapter_to_model", kw)
-    except BaseException:
-        if not existed:
-            db.delete(row)
-            db.commit()
-            await quotas.release_training_clients(who.user_id, who.org_id, [row.id])
-        raise
-
-
-async def _save(call: Call, kw: dict) -> dict:
-    _no_server_paths(kw)
-    ckpt_name = validate_name(kw.get("name") or "", "name")
-    rid = call.nm.run_id(call.adapter)
-    if call.db.get(TrainingRunRow, rid) is None or not await call.has_adapter():
-        raise NotFoundError(f"adapter_name: adapter {call.adapter!r} is not in this model")
-    kind = "sampler" if kw.get("is_sampler") else "training"
-    parsed = ParsedPath(rid, kind, ckpt_name)
-    directory = new_storage_dir(call.settings.data_dir, call.who.user_id, parsed)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    kw.update(name=directory.name, output_dir=str(directory.parent))
-    await call.invoke("save", kw)
-    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-    with Session(call.db.get_bind()) as s:
-        old = s.exec(select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path))
-        old = old.first()
-        if old is not None:  # same name again: the new checkpoint replaces it (as upstream)
-            shutil.rmtree(old.storage_dir, ignore_errors=True)
-            s.delete(old)
-            s.flush()
-        meta = {}
-        if kw.get("consumed_train_samples") is not None:
-            meta["consumed_train_samples"] = kw["consumed_train_samples"]
-        s.add(
-            CheckpointRow(
-                run_id=rid,
-                user_id=call.who.user_id,
-                kind=kind,
-                name=ckpt_name,
-                tinker_path=parsed.tinker_path,
-                storage_dir=str(directory),
-                size_bytes=size,
-                user_metadata=meta,
-                created_at=utcnow(),
-            )
-        )
-        s.commit()
-    return {
-        "twinkle_path": twinkle_path(parsed.tinker_path),
-        "checkpoint_id": parsed.checkpoint_id,
-        "size_bytes": size,
-    }
-
-
-def _loader(method: str) -> Callable[[Call, dict], Awaitable[Any]]:
-    async def load(call: Call, kw: dict) -> Any:
-        _no_server_paths(kw)
-        ckpt, src = _checkpoint(call, kw.get("name"), "name")
-        _ensure_run_row(call, _spec_of(src))
-        kw["name"] = ckpt.storage_dir
-        result = await call.invoke(method, kw)
-        path = twinkle_path(ckpt.tinker_path)
-        return {**result, "checkpoint": path} if isinstance(result, dict) else path
-
-    return load
-
-
-#: methods the gateway takes part in (validation, runs, quotas, checkpoint rows); every other
-#: method of NATIVE_MODEL_METHODS goes to the engine as it is
-_SPECIAL: dict[str, Callable[[Call, dict], Awaitable[Any]]] = {
-    "set_template": _set_template,
-    "set_processor": _set_processor,
-    "add_adapter_to_model": _add_adapter,
-    "save": _save,
-    "load": _loader("load"),
-    "resume_from_checkpoint": _loader("resume_from_checkpoint"),
-}
+@router.get("/{base_model:path}/healthz")
+async def healthz(base_model: str, config: ConfigDep) -> dict:
+    """Liveness of one base model's routes (upstream's per-model health check)."""
+    name = resolve_base_model(config, base_model)
+    return {"healthy": True, "detail": name}

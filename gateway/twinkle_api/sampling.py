@@ -1,33 +1,19 @@
-"""Native sampling and encoding routes: ``/twinkle/sample``, ``/twinkle/encode``,
-``/twinkle/sampler/set_template``.
-
-Served by whichever Sampler the server runs for the base model (torch on CPU; the client's
-``vLLMSampler`` and ``TorchSampler`` names both land here). The template is per request (the
-client sends the one it set), never global to the sampler. Each input becomes one engine request,
-all submitted together so the Sampler batches them; the per-user concurrent-sampling limit of the
-Tinker and OpenAI routes applies (429 + retry-after when exceeded).
-
-Each sampled sequence carries ``new_input_feature``: the prompt plus the completion as
-``input_ids``, ``labels`` that train only the completion, and ``logprobs`` aligned with
-``input_ids`` (0 on the prompt, the sampler's log-probs on the completion), which is what a
-GRPO/PPO step trains on after adding ``advantages``.
-"""
+"""Encoding for the native data toolkit: ``POST /api/v1/twinkle/encode`` (trajectories → input
+features with the base model's own tokenizer, labels rolled as upstream's templates roll them),
+and the helpers the sampler routes (sampler_routes.py) share with it."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from engine.protocol import SampleInput, SamplingParams
+from engine.protocol import SamplingParams
 from gateway.db.tables import TrainingRunRow
-from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep
+from gateway.deps import ConfigDep, PrincipalDep, SettingsDep
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.quotas.concurrency import SamplingLimiterDep
-from gateway.quotas.metering import SampleMeter
 from gateway.runs.checkpoints import readable_checkpoint
-from gateway.twinkle_api.schemas import EncodeRequest, SampleRequest, SetTemplateRequest
+from gateway.twinkle_api.schemas import EncodeRequest, SamplingParamsWire
 from gateway.twinkle_api.templates import IGNORE_INDEX, ChatEncoder, check_template, load_tokenizer
 
 router = APIRouter(prefix="/api/v1/twinkle")
@@ -45,28 +31,51 @@ def encoder_for(config, settings, base_model: str, template) -> ChatEncoder:
     return ChatEncoder(load_tokenizer(str(model_dir)), template.kwargs)
 
 
-@router.post("/sampler/set_template")
-async def set_template(
-    req: SetTemplateRequest, who: PrincipalDep, config: ConfigDep, settings: SettingsDep
-) -> dict:
-    encoder_for(config, settings, req.base_model, req.template)
-    return {"template": req.template.name}
-
-
 @router.post("/encode")
 async def encode(
     req: EncodeRequest, who: PrincipalDep, config: ConfigDep, settings: SettingsDep
 ) -> dict:
     enc = encoder_for(config, settings, req.base_model, req.template)
-    feats = [
-        enc.encode(item, add_generation_prompt=req.add_generation_prompt, field=f"inputs[{i}]")
-        for i, item in enumerate(req.inputs)
-    ]
+    feats = []
+    for i, item in enumerate(req.inputs):
+        f = enc.encode(item, add_generation_prompt=req.add_generation_prompt, field=f"inputs[{i}]")
+        labels = roll(f["labels"]) if req.label_format == "rolled" else f["labels"]
+        feats.append(feature(f["input_ids"], labels))
     return {"features": feats}
 
 
-def _params(req: SampleRequest) -> SamplingParams:
-    sp = req.sampling_params
+def roll(hf_labels: list[int]) -> list[int]:
+    """HF-style labels (``labels[i]`` trains position i, the model shifts) rolled left by one as
+    upstream's templates do: ``labels[i]`` becomes the target of ``input_ids[i]``."""
+    return [*hf_labels[1:], IGNORE_INDEX] if hf_labels else []
+
+
+def unroll(rolled: list[int]) -> list[int]:
+    return [rolled[-1], *rolled[:-1]] if rolled else []
+
+
+def feature(input_ids: list[int], labels: list[int]) -> dict:
+    """An InputFeature row as upstream's templates write one."""
+    n = len(input_ids)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": [1] * n,
+        "position_ids": list(range(n)),
+        "length": n,
+    }
+
+
+#: a sampling request's max_tokens when it names none (upstream's Tinker handler uses 256 too)
+DEFAULT_MAX_TOKENS = 256
+
+
+def sampling_params(sp: SamplingParamsWire) -> SamplingParams:
+    if sp.repetition_penalty != 1.0:
+        raise InvalidRequestError(
+            f"sampling_params.repetition_penalty: {sp.repetition_penalty} is not served; only "
+            "1.0 (off)"
+        )
     strings: list[str] = []
     token_ids: list[int] = []
     if isinstance(sp.stop, str):
@@ -76,7 +85,7 @@ def _params(req: SampleRequest) -> SamplingParams:
     elif sp.stop:
         strings = [str(s) for s in sp.stop]
     return SamplingParams(
-        max_tokens=sp.max_tokens,
+        max_tokens=sp.max_tokens or DEFAULT_MAX_TOKENS,
         temperature=sp.temperature,
         top_p=sp.top_p,
         top_k=sp.top_k,
@@ -87,7 +96,7 @@ def _params(req: SampleRequest) -> SamplingParams:
     )
 
 
-def _adapter_dir(db, who, base_model: str, uri: str | None) -> str | None:
+def adapter_dir_of(db, who, base_model: str, uri: str | None) -> str | None:
     if not uri:
         return None
     ckpt = readable_checkpoint(db, who.user_id, uri, "adapter_uri")
@@ -101,84 +110,5 @@ def _adapter_dir(db, who, base_model: str, uri: str | None) -> str | None:
     return ckpt.storage_dir
 
 
-def _finite(x: float) -> float | None:
+def finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-@router.post("/sample")
-async def sample(
-    req: SampleRequest,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    config: ConfigDep,
-    settings: SettingsDep,
-    limiter: SamplingLimiterDep,
-    request: Request,
-) -> dict:
-    enc = encoder_for(config, settings, req.base_model, req.template)
-    adapter_dir = _adapter_dir(db, who, req.base_model, req.adapter_uri)
-    prompts = [enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(req.inputs)]
-    params = _params(req)
-    sp = req.sampling_params
-    limits = limiter.quotas.limits(who, db)
-    async with limiter.acquire(who, limits):
-        # the sample token rate and the usage ledger, as for the Tinker and OpenAI routes
-        meter = await SampleMeter.start(
-            request.app.state,
-            who,
-            limits,
-            req.base_model,
-            sum(len(p) for p in prompts),
-            params.max_tokens * sp.num_samples * len(prompts),
-        )
-        sampled = None
-        try:
-            outs = await asyncio.gather(
-                *(
-                    engine.sampler(
-                        req.base_model,
-                        "sample",
-                        SampleInput(
-                            prompt_tokens=p,
-                            num_samples=sp.num_samples,
-                            params=params,
-                            prompt_logprobs=sp.prompt_logprobs,
-                            adapter_dir=adapter_dir,
-                        ),
-                        affinity=adapter_dir,
-                    )
-                    for p in prompts
-                )
-            )
-            sampled = sum(len(s.tokens) for out in outs for s in out.sequences)
-        finally:
-            await meter.finish(sampled)
-    samples = []
-    for prompt, out in zip(prompts, outs, strict=True):
-        seqs = []
-        for s in out.sequences:
-            lps = [float(x) for x in s.logprobs]
-            seqs.append(
-                {
-                    "stop_reason": s.stop_reason,
-                    "tokens": list(s.tokens),
-                    "logprobs": [[[t, lp]] for t, lp in zip(s.tokens, lps, strict=True)],
-                    "token_logprobs": lps,
-                    "decoded": enc.decode(list(s.tokens)),
-                    "new_input_feature": {
-                        "input_ids": prompt + list(s.tokens),
-                        "labels": [IGNORE_INDEX] * len(prompt) + list(s.tokens),
-                        "logprobs": [0.0] * len(prompt) + lps,
-                    },
-                }
-            )
-        plp = out.prompt_logprobs
-        samples.append(
-            {
-                "prompt_tokens": prompt,
-                "sequences": seqs,
-                "prompt_logprobs": [_finite(float(x)) for x in plp] if plp is not None else None,
-            }
-        )
-    return {"samples": samples}

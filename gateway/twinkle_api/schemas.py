@@ -1,13 +1,13 @@
 """Wire schemas of the native Twinkle routes (``/api/v1/twinkle/...``).
 
-Unknown fields are refused (``extra="forbid"``): the native client is ours, so a misspelt field is
-a bug worth a 400 naming it. Method arguments of model calls travel in ``kwargs`` and are checked
-against the engine class's own signature (engine/native/host.py).
+Unknown fields are refused (``extra="forbid"``) where upstream's client sends a fixed set, so a
+misspelt field is a 400 naming it. Model calls (model_routes.py) take upstream's flat bodies:
+their fields are checked against the engine class's own signature (engine/native/host.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,33 +28,21 @@ class HeartbeatRequest(_Req):
     session_id: str
 
 
-class CreateModelRequest(_Req):
-    session_id: str
-    base_model: str
-
-
-class CloseModelRequest(_Req):
-    model_id: str
-
-
-class ModelCallRequest(_Req):
-    model_id: str
-    adapter_name: str = Field(default="default", pattern=NAME_PATTERN)
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-
-
 class SamplingParamsWire(_Req):
-    max_tokens: int = Field(default=64, ge=1, le=8192)
+    """Upstream's ``SamplingParams`` fields (twinkle.data_format)."""
+
+    max_tokens: int | None = Field(default=None, ge=1, le=8192, description="default 256")
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1)
     seed: int | None = None
     stop: str | list[str] | list[int] | None = None
-    num_samples: int = Field(default=1, ge=1, le=64)
+    repetition_penalty: float = Field(default=1.0, description="only 1.0 (off) is served")
+    num_samples: int | None = Field(default=None, ge=1, le=64)
     logprobs: int | None = Field(
-        default=None, ge=0, le=1, description="accepted; sampled-token logprobs are always returned"
+        default=None, ge=0, le=1, description="the sampled token's logprob is always returned"
     )
-    prompt_logprobs: bool = False
+    prompt_logprobs: int | bool | None = None
 
 
 class TemplateSpec(_Req):
@@ -67,16 +55,28 @@ class EncodeRequest(_Req):
     template: TemplateSpec = Field(default_factory=TemplateSpec)
     inputs: list[dict[str, Any]] = Field(min_length=1, max_length=4096)
     add_generation_prompt: bool = False
+    label_format: Literal["rolled", "hf"] = Field(
+        default="rolled",
+        description="rolled: labels[i] is the target of input_ids[i] (upstream's templates); "
+        "hf: labels[i] == input_ids[i] on trained positions (the model shifts)",
+    )
 
 
 class SampleRequest(_Req):
-    base_model: str
-    template: TemplateSpec = Field(default_factory=TemplateSpec)
-    inputs: list[dict[str, Any]] = Field(min_length=1, max_length=256)
-    sampling_params: SamplingParamsWire = Field(default_factory=SamplingParamsWire)
+    """``POST /api/v1/sampler/<base>/twinkle/sample`` (upstream's body)."""
+
+    inputs: list[dict[str, Any]] | dict[str, Any]
+    sampling_params: SamplingParamsWire | None = None
+    adapter_name: str | None = ""
     adapter_uri: str | None = None
+    num_samples: int = Field(default=1, ge=1, le=64)
 
 
-class SetTemplateRequest(_Req):
-    base_model: str
-    template: TemplateSpec
+class SamplerTemplateRequest(BaseModel):
+    """``POST /api/v1/sampler/<base>/twinkle/set_template``: the class name plus its options
+    (upstream's client also sends ``adapter_name`` and ``model_id``)."""
+
+    model_config = ConfigDict(extra="allow")
+    template_cls: str
+    adapter_name: str | None = ""
+    model_id: str | None = None

@@ -1,0 +1,285 @@
+"""Upstream Twinkle's native sampler protocol (twinkle-kit 0.5.1's ``vLLMSampler``):
+``POST /api/v1/sampler/<base_model>/twinkle/{create, set_template, sample, sample_stream,
+add_adapter_to_sampler, apply_patch}``.
+
+Served by whichever Sampler the server runs for the base model (torch on CPU, vLLM on GPU: the
+client's class name does not choose). The template is the caller's session's own (upstream's is
+global to the sampler, so one tenant's set_template changed everyone's), kept in the shared KV
+store so every gateway replica sees it. Each input becomes one engine request, all submitted
+together so the Sampler batches them; the per-user concurrent-sampling limit and the sample-token
+rate of the Tinker and OpenAI routes apply (429 + retry-after when exceeded). An adapter is named
+by ``adapter_uri``, a ``twinkle://`` (or ``tinker://``) checkpoint the caller may read; anything
+else is a 4xx, never a silent fall back to the base model.
+
+Each sampled sequence carries ``new_input_feature``: the input row with the completion appended
+(``input_ids``; ``labels`` rolled, training only the completion; ``attention_mask``,
+``position_ids``, ``length``; ``messages`` + the assistant's reply), ready for forward_backward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import StreamingResponse
+
+from engine.errors import EngineError
+from engine.protocol import SampleInput
+from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep
+from gateway.errors import InvalidRequestError, NotImplementedOnServerError
+from gateway.openai_api import streaming
+from gateway.quotas.concurrency import SamplingLimiterDep
+from gateway.quotas.metering import SampleMeter
+from gateway.twinkle_api.model_routes import _session, resolve_base_model
+from gateway.twinkle_api.sampling import (
+    IGNORE_INDEX,
+    adapter_dir_of,
+    encoder_for,
+    feature,
+    finite,
+    roll,
+    sampling_params,
+    unroll,
+)
+from gateway.twinkle_api.schemas import (
+    SampleRequest,
+    SamplerTemplateRequest,
+    SamplingParamsWire,
+    TemplateSpec,
+)
+from gateway.twinkle_api.templates import check_template
+
+router = APIRouter(prefix="/api/v1/sampler")
+#: a session's sampler template lives as long as a native model record (model_registry.py)
+TEMPLATE_TTL_S = 7 * 24 * 3600.0
+
+
+def _template_key(session_id: str, base_model: str) -> str:
+    return f"native-sampler-template:{session_id}:{base_model}"
+
+
+async def _template(request: Request, session_id: str, base_model: str) -> TemplateSpec:
+    raw = await request.app.state.kv.get(_template_key(session_id, base_model))
+    return TemplateSpec(**json.loads(raw)) if raw is not None else TemplateSpec()
+
+
+@router.post("/{base_model:path}/twinkle/create")
+async def create(
+    base_model: str,
+    request: Request,
+    who: PrincipalDep,
+    db: DbDep,
+    config: ConfigDep,
+    body: Annotated[dict[str, Any] | None, Body()] = None,
+) -> dict:
+    """Nothing to host: the Sampler serves every session; this checks the model and session."""
+    name = resolve_base_model(config, base_model)
+    _session(request, who, db)
+    return {"status": "ok", "base_model": name}
+
+
+@router.post("/{base_model:path}/twinkle/set_template")
+async def set_template(
+    base_model: str,
+    req: SamplerTemplateRequest,
+    request: Request,
+    who: PrincipalDep,
+    db: DbDep,
+    config: ConfigDep,
+    settings: SettingsDep,
+) -> dict:
+    name = resolve_base_model(config, base_model)
+    session = _session(request, who, db)
+    spec = TemplateSpec(name=req.template_cls, kwargs=dict(req.model_extra or {}))
+    check_template(spec.name, spec.kwargs, "template_cls")
+    encoder_for(config, settings, name, spec)  # the tokenizer speaks it
+    payload = json.dumps(spec.model_dump()).encode()
+    await request.app.state.kv.set(_template_key(session.id, name), payload, TEMPLATE_TTL_S)
+    return {"status": "ok"}
+
+
+def _new_feature(row: dict[str, Any], prompt: list[int], tokens: list[int], text: str) -> dict:
+    """upstream's ``Template.concat_input_feature``: the row plus the completion."""
+    out = copy.deepcopy(row)
+    labels = row.get("labels")
+    hf = unroll(list(labels)) if isinstance(labels, list) and len(labels) == len(prompt) else []
+    hf = hf or [IGNORE_INDEX] * len(prompt)
+    out.update(feature(prompt + tokens, roll(hf + tokens)))
+    if isinstance(row.get("messages"), list):
+        out["messages"] = [*row["messages"], {"role": "assistant", "content": text}]
+    return out
+
+
+def _inputs(req: SampleRequest) -> list[dict[str, Any]]:
+    inputs = req.inputs if isinstance(req.inputs, list) else [req.inputs]
+    if not inputs or len(inputs) > 256:
+        raise InvalidRequestError("inputs: 1 to 256 trajectories or input features")
+    return inputs
+
+
+def _request_parts(req: SampleRequest, db, who, base: str):
+    sp = req.sampling_params or SamplingParamsWire()
+    if req.adapter_name and not req.adapter_uri:
+        raise InvalidRequestError(
+            f"adapter_name: {req.adapter_name!r} names no adapter of the sampler here; pass "
+            "adapter_uri=<twinkle:// path from model.save(..., is_sampler=True)>"
+        )
+    n = sp.num_samples or req.num_samples
+    return sp, sampling_params(sp), n, adapter_dir_of(db, who, base, req.adapter_uri)
+
+
+@router.post("/{base_model:path}/twinkle/sample")
+async def sample(
+    base_model: str,
+    req: SampleRequest,
+    request: Request,
+    who: PrincipalDep,
+    db: DbDep,
+    engine: EngineDep,
+    config: ConfigDep,
+    settings: SettingsDep,
+    limiter: SamplingLimiterDep,
+) -> dict:
+    name = resolve_base_model(config, base_model)
+    session = _session(request, who, db)
+    enc = encoder_for(config, settings, name, await _template(request, session.id, name))
+    inputs = _inputs(req)
+    sp, params, n, adapter_dir = _request_parts(req, db, who, name)
+    prompts = [enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
+    limits = limiter.quotas.limits(who, db)
+    async with limiter.acquire(who, limits):
+        # the sample token rate and the usage ledger, as for the Tinker and OpenAI routes
+        meter = await SampleMeter.start(
+            request.app.state, who, limits, name, sum(map(len, prompts)),
+            params.max_tokens * n * len(prompts),
+        )  # fmt: skip
+        sampled = None
+        try:
+            outs = await asyncio.gather(
+                *(
+                    engine.sampler(
+                        name,
+                        "sample",
+                        SampleInput(
+                            prompt_tokens=p,
+                            num_samples=n,
+                            params=params,
+                            prompt_logprobs=bool(sp.prompt_logprobs),
+                            adapter_dir=adapter_dir,
+                        ),
+                        affinity=adapter_dir,
+                    )
+                    for p in prompts
+                )
+            )
+            sampled = sum(len(s.tokens) for out in outs for s in out.sequences)
+        finally:
+            await meter.finish(sampled)
+    samples = []
+    for row, prompt, out in zip(inputs, prompts, outs, strict=True):
+        seqs = []
+        for s in out.sequences:
+            toks, lps = list(s.tokens), [float(x) for x in s.logprobs]
+            text = enc.decode(toks)
+            seqs.append(
+                {
+                    "stop_reason": s.stop_reason,
+                    "tokens": toks,
+                    "logprobs": [[[t, lp]] for t, lp in zip(toks, lps, strict=True)],
+                    "decoded": text,
+                    "new_input_feature": _new_feature(row, prompt, toks, text),
+                }
+            )
+        plp = out.prompt_logprobs
+        samples.append(
+            {
+                "sequences": seqs,
+                "prompt_logprobs": [finite(float(x)) for x in plp] if plp is not None else None,
+                "topk_prompt_logprobs": None,
+            }
+        )
+    return {"samples": samples}
+
+
+@router.post("/{base_model:path}/twinkle/sample_stream")
+async def sample_stream(
+    base_model: str,
+    req: SampleRequest,
+    request: Request,
+    who: PrincipalDep,
+    db: DbDep,
+    engine: EngineDep,
+    config: ConfigDep,
+    settings: SettingsDep,
+    limiter: SamplingLimiterDep,
+) -> StreamingResponse:
+    """One input, one sample, streamed as NDJSON lines ``{"delta", "finish_reason"}`` while the
+    engine generates (upstream's shape); the last line has the finish reason."""
+    name = resolve_base_model(config, base_model)
+    session = _session(request, who, db)
+    enc = encoder_for(config, settings, name, await _template(request, session.id, name))
+    inputs = _inputs(req)
+    sp, params, n, adapter_dir = _request_parts(req, db, who, name)
+    if len(inputs) != 1 or n != 1:
+        raise InvalidRequestError("inputs: sample_stream takes one input and num_samples 1")
+    prompt = enc.prompt_tokens(inputs[0], "inputs[0]")
+    limits = limiter.quotas.limits(who, db)
+    slot = limiter.acquire(who, limits)
+    await slot.__aenter__()
+    meter = None
+    try:
+        meter = await SampleMeter.start(
+            request.app.state, who, limits, name, len(prompt), params.max_tokens
+        )
+        inp = SampleInput(
+            prompt_tokens=prompt, num_samples=1, params=params, adapter_dir=adapter_dir
+        )
+        events = await streaming.open_stream(
+            streaming.sample_events(engine, name, inp, params.stop_strings, 0),
+            lambda exc: InvalidRequestError(f"inputs[0]: {exc}"),
+        )
+    except BaseException:
+        if meter is not None:
+            await meter.finish(None)
+        await slot.__aexit__(None, None, None)
+        raise
+
+    async def lines() -> AsyncIterator[bytes]:
+        sampled = 0
+        try:
+            async for ev in events:
+                if isinstance(ev, streaming.TextEvent):
+                    sampled += len(ev.pieces)
+                    yield (json.dumps({"delta": ev.text, "finish_reason": None}) + "\n").encode()
+                else:  # the remaining text came as a TextEvent just before
+                    sampled = ev.choice.n_tokens
+                    line = {"delta": "", "finish_reason": ev.choice.finish_reason}
+                    yield (json.dumps(line) + "\n").encode()
+        except EngineError as exc:
+            yield (json.dumps({"error": str(exc)}) + "\n").encode()
+        finally:
+            await meter.finish(sampled)
+            await slot.__aexit__(None, None, None)
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.post("/{base_model:path}/twinkle/{method}")
+async def unavailable(base_model: str, method: str, who: PrincipalDep, config: ConfigDep) -> dict:
+    resolve_base_model(config, base_model)
+    if method == "add_adapter_to_sampler":
+        raise NotImplementedOnServerError(
+            "add_adapter_to_sampler: not available on this server: the sampler loads adapters "
+            "from checkpoints; pass adapter_uri=<twinkle:// path of model.save(..., "
+            "is_sampler=True)> to sample"
+        )
+    if method == "apply_patch":
+        raise NotImplementedOnServerError("apply_patch: no sampler patches are available here")
+    raise InvalidRequestError(
+        f"method: {method!r} is not a sampler method; available: create, set_template, sample, "
+        "sample_stream"
+    )
