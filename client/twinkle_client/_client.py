@@ -134,7 +134,7 @@ class TwinkleClient:
         self.base_url = api_base(url)
         self.api_key = key
         self.route_prefix = (route_prefix or "").rstrip("/")
-        headers = {name: REQUEST_ID for name in ROUTING_HEADERS}
+        headers: dict[str, str] = dict.fromkeys(ROUTING_HEADERS, REQUEST_ID)
         headers["Authorization"] = headers["Twinkle-Authorization"] = f"Bearer {key}"
         headers["User-Agent"] = f"twinkle_client/{__version__}"
         self._http = httpx.Client(

@@ -81,12 +81,8 @@ class MultiLoraTransformersModel:
             self.adapter_name = self._added[-1] if self._added else None
 
     def set_template(self, template_cls: Any, **kwargs: Any) -> None:
-        self._call(
-            "set_template",
-            template_cls=name_of(template_cls, "template_cls"),
-            model_id=self.model_id,
-            **kwargs,
-        )
+        fields = {"model_id": self.model_id, **kwargs}  # as upstream: a given model_id wins
+        self._call("set_template", template_cls=name_of(template_cls, "template_cls"), **fields)
 
     def set_processor(self, processor_cls: Any, **kwargs: Any) -> None:
         self._call("set_processor", processor_cls=name_of(processor_cls, "processor_cls"), **kwargs)
@@ -162,11 +158,11 @@ class MultiLoraTransformersModel:
         self, max_grad_norm: float = 1.0, norm_type: int = 2, **kwargs: Any
     ) -> None:
         """clip_grad_norm + step + zero_grad + lr_step in one call."""
-        self._call(
-            "clip_grad_and_step", max_grad_norm=max_grad_norm, norm_type=norm_type, **kwargs
-        )
+        self._call("clip_grad_and_step", max_grad_norm=max_grad_norm, norm_type=norm_type, **kwargs)
 
-    def calculate_metric(self, is_training: bool = True, **kwargs: Any) -> t.CalculateMetricResponse:
+    def calculate_metric(
+        self, is_training: bool = True, **kwargs: Any
+    ) -> t.CalculateMetricResponse:
         return t.CalculateMetricResponse(
             **self._call("calculate_metric", is_training=is_training, **kwargs)
         )

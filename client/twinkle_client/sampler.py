@@ -39,7 +39,9 @@ class vLLMSampler:
     def _post(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.client.post(f"{self.route}/{method}", to_wire(body))
 
-    def set_template(self, template_cls: Any, adapter_name: str = "", **kwargs: Any) -> t.OkResponse:
+    def set_template(
+        self, template_cls: Any, adapter_name: str = "", **kwargs: Any
+    ) -> t.OkResponse:
         """Chat template for trajectories (``model_id=...`` and template options in kwargs)."""
         body = {
             "template_cls": name_of(template_cls, "template_cls"),

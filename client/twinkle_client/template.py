@@ -101,5 +101,12 @@ class SmolLMTemplate(Template):
 
 TEMPLATES: dict[str, type[Template]] = {
     c.template_name: c
-    for c in (Template, ChatMLTemplate, Qwen2Template, Qwen3Template, Qwen3_5Template, SmolLMTemplate)
+    for c in (
+        Template,
+        ChatMLTemplate,
+        Qwen2Template,
+        Qwen3Template,
+        Qwen3_5Template,
+        SmolLMTemplate,
+    )
 }
