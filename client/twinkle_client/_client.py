@@ -253,13 +253,39 @@ class TwinkleClient:
     def get_checkpoint_twinkle_path(self, run_id: str, checkpoint_id: str) -> str:
         return f"twinkle://{run_id}/{checkpoint_id}"
 
+    def get_checkpoint_path(self, run_id: str, checkpoint_id: str) -> t.ParsedCheckpointTwinklePath:
+        """The checkpoint's paths (checked on the server). Checkpoints live on the server, so
+        ``path`` is the ``twinkle://`` path too (upstream: a server directory)."""
+        path = self.get_checkpoint_twinkle_path(run_id, checkpoint_id)
+        ckpt = self.get_checkpoint(path)
+        return t.ParsedCheckpointTwinklePath(
+            path=ckpt.twinkle_path,
+            twinkle_path=ckpt.twinkle_path,
+            training_run_id=run_id,
+            checkpoint_type=checkpoint_id.split("/")[0] if "/" in checkpoint_id else "",
+            checkpoint_id=checkpoint_id,
+        )
+
+    def get_weights_info(self, twinkle_path: str) -> t.WeightsInfoResponse:
+        """The run behind a checkpoint path: base model, owner, LoRA rank."""
+        run_id = self.get(self._mgmt("checkpoint"), {"path": twinkle_path})["run_id"]
+        run = self.get_training_run(run_id)
+        return t.WeightsInfoResponse(
+            training_run_id=run.training_run_id,
+            base_model=run.base_model,
+            model_owner=run.model_owner,
+            is_lora=run.is_lora,
+            lora_rank=run.lora_rank,
+        )
+
     def delete_checkpoint(
-        self, run_id_or_path: str, checkpoint_id: str | None = None
+        self, run_id: str, checkpoint_id: str | None = None
     ) -> t.DeleteCheckpointResponse:
-        """Upstream's ``delete_checkpoint(run_id, checkpoint_id)``, or one ``twinkle://`` path."""
-        path = run_id_or_path
+        """Upstream's ``delete_checkpoint(run_id, checkpoint_id)``; or one ``twinkle://`` path
+        as ``run_id`` alone."""
+        path = run_id
         if checkpoint_id is not None:
-            path = self.get_checkpoint_twinkle_path(run_id_or_path, checkpoint_id)
+            path = self.get_checkpoint_twinkle_path(run_id, checkpoint_id)
         self.request("DELETE", self._mgmt("checkpoint"), params={"path": path})
         return t.DeleteCheckpointResponse(success=True, message=f"deleted {path}")
 

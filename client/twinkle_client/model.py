@@ -90,7 +90,7 @@ class MultiLoraTransformersModel:
     def set_loss(self, loss_cls: Any, **kwargs: Any) -> None:
         self._call("set_loss", loss_cls=name_of(loss_cls, "loss_cls"), **kwargs)
 
-    def set_optimizer(self, optimizer_cls: Any, **kwargs: Any) -> None:
+    def set_optimizer(self, optimizer_cls: Any = "AdamW", **kwargs: Any) -> None:
         self._call("set_optimizer", optimizer_cls=name_of(optimizer_cls, "optimizer_cls"), **kwargs)
 
     def set_lr_scheduler(self, scheduler_cls: Any, **kwargs: Any) -> None:

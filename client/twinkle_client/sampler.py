@@ -58,6 +58,10 @@ class vLLMSampler:
         self.adapter_name = adapter_name
         return out
 
+    def apply_patch(self, patch_cls: Any, **kwargs: Any) -> None:
+        body = {"patch_cls": name_of(patch_cls, "patch_cls"), "adapter_name": self.adapter_name}
+        self._post("apply_patch", {**body, **kwargs})
+
     def _sample_body(
         self,
         inputs: Any,

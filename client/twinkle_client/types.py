@@ -160,6 +160,22 @@ class TrainingRun(_Wire):
     user_metadata: dict[str, Any] | None = None
 
 
+class ParsedCheckpointTwinklePath(_Wire):
+    path: str
+    twinkle_path: str
+    training_run_id: str
+    checkpoint_type: str
+    checkpoint_id: str
+
+
+class WeightsInfoResponse(_Wire):
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool = True
+    lora_rank: int | None = None
+
+
 class DeleteCheckpointResponse(_Wire):
     success: bool = True
     message: str = ""
@@ -180,10 +196,12 @@ __all__ = [
     "GetStateDictResponse",
     "GetTrainConfigsResponse",
     "OkResponse",
+    "ParsedCheckpointTwinklePath",
     "SampleResponseModel",
     "SampledSequenceModel",
     "SaveResponse",
     "SupportedModel",
     "TrainingProgressResponse",
     "TrainingRun",
+    "WeightsInfoResponse",
 ]
