@@ -5,6 +5,7 @@ return, and upstream cookbook-style scripts (self_cognition, dpo, grpo, sample) 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -468,3 +469,43 @@ def test_cookbook_grpo_and_sample(client, fake):
         adapter_uri="twinkle://run-1/weights/twinkle-lora-0",
     )
     assert len(responses) == 4 and all(len(r.sequences) == 2 for r in responses)
+
+
+def test_swap_in_venv_runs_upstream_imports_with_our_client():
+    """With tests/compat/swap_venv.py's venv built (upstream twinkle-kit 0.5.1, our client in
+    place of theirs): upstream's cookbook imports resolve to our client, a peft LoraConfig
+    travels as upstream's JSON string, and upstream's own deserializer reads it back."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    py = repo / ".cache" / "twinkle-kit-0.5.1-ours" / "bin" / "python"
+    if not py.exists():
+        pytest.skip("no swap venv: python tests/compat/swap_venv.py builds it")
+    code = f"""
+import json, sys
+sys.path.insert(0, {str(repo)!r})
+from peft import LoraConfig
+from twinkle import init_twinkle_client
+from twinkle_client.model import MultiLoraTransformersModel
+from twinkle_client.sampler import vLLMSampler
+import twinkle_client
+assert "twinkle-kit-0.5.1-ours" in twinkle_client.__file__, twinkle_client.__file__
+from tests.unit.client_protocol_helpers import API_KEY, BASE_URL, FakeServer
+fake = FakeServer()
+init_twinkle_client(base_url=BASE_URL, api_key=API_KEY, transport=fake.transport)
+model = MultiLoraTransformersModel(model_id="ms://twinkle/tiny-chat")
+lora = LoraConfig(target_modules="all-linear", r=8)
+model.add_adapter_to_model("default", lora, gradient_accumulation_steps=2)
+cfg = json.loads(fake.last("/add_adapter_to_model").body["config"])
+assert cfg["_TWINKLE_TYPE_"] == "LoraConfig" and cfg["r"] == 8, cfg
+sampler = vLLMSampler(model_id="ms://twinkle/tiny-chat")
+out = sampler.sample(inputs=[{{"messages": [{{"role": "user", "content": "hi"}}]}}])
+print(out[0].sequences[0].decoded)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed copy
+    out = subprocess.run(
+        [str(py), "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "answer 0"
