@@ -349,13 +349,7 @@ def _cookbook_self_cognition(tmp_path):
 
 
 def test_cookbook_self_cognition(fake, tmp_path, monkeypatch):
-    monkeypatch.setattr(twinkle_client._client, "_current", None)
-    orig = twinkle_client._client.TwinkleClient.__init__
-
-    def with_fake(self, *a, **kw):  # the cookbook passes no transport: inject the fake
-        orig(self, *a, **{**kw, "transport": fake.transport, "session_heartbeat_interval": None})
-
-    monkeypatch.setattr(twinkle_client._client.TwinkleClient, "__init__", with_fake)
+    _fake_init(monkeypatch, fake)  # the cookbook passes no transport: inject the fake
     n_batches, metrics, saved = _cookbook_self_cognition(tmp_path)
     assert n_batches == 3 and metrics and metrics[0]["step"] == 1
     assert [str(s) for s in saved] == [
@@ -509,3 +503,40 @@ print(out[0].sequences[0].decoded)
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "answer 0"
+
+
+def _fake_init(monkeypatch, fake):
+    """init_twinkle_client() with no arguments (as scripts call it) reaches the fake."""
+    monkeypatch.setenv("TWINKLE_SERVER_URL", BASE_URL)
+    monkeypatch.setenv("TWINKLE_SERVER_TOKEN", API_KEY)
+    monkeypatch.setattr(twinkle_client._client, "_current", None)
+    orig = twinkle_client._client.TwinkleClient.__init__
+
+    def with_fake(self, *a, **kw):
+        orig(self, *a, **{**kw, "transport": fake.transport, "session_heartbeat_interval": None})
+
+    monkeypatch.setattr(twinkle_client._client.TwinkleClient, "__init__", with_fake)
+
+
+@pytest.mark.parametrize("name", ["self_cognition", "grpo"])
+def test_our_cookbook_scripts_run_against_the_fake(fake, monkeypatch, name):
+    import importlib.util
+    from pathlib import Path
+
+    _fake_init(monkeypatch, fake)
+    path = Path(__file__).resolve().parents[2] / "cookbook/client/twinkle/self_host" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"cookbook_{name}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if name == "self_cognition":
+        out = mod.main(max_steps=4, resume=None)
+        assert out["losses"] == [1.25] * 4 and out["checkpoint"].startswith("twinkle://")
+        assert fake.last(f"{M}/save").body["consumed_train_samples"] == 8
+        again = mod.main(max_steps=6, resume=out["checkpoint"])  # the fake resumes at 8 rows
+        assert len(again["losses"]) == 2
+    else:
+        out = mod.main(steps=2, generations=2, seed=0)
+        assert len(out["steps"]) == 2 and out["steps"][0]["step"] == 1
+        body = fake.last(f"{M}/forward_backward").body
+        assert len(body["inputs"]) == len(body["advantages"]) == len(body["old_logps"]) == 4
