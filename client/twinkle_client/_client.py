@@ -248,6 +248,7 @@ class TwinkleClient:
 
     def get_checkpoint(self, path: str) -> t.Checkpoint:
         """A checkpoint by ``twinkle://`` (or ``tinker://``) path."""
+        path = getattr(path, "twinkle_path", path)  # a SaveResponse stands for its path
         return t.Checkpoint(**self.get(self._mgmt("checkpoint"), {"path": path}))
 
     def get_checkpoint_twinkle_path(self, run_id: str, checkpoint_id: str) -> str:
@@ -268,7 +269,8 @@ class TwinkleClient:
 
     def get_weights_info(self, twinkle_path: str) -> t.WeightsInfoResponse:
         """The run behind a checkpoint path: base model, owner, LoRA rank."""
-        run_id = self.get(self._mgmt("checkpoint"), {"path": twinkle_path})["run_id"]
+        path = getattr(twinkle_path, "twinkle_path", twinkle_path)
+        run_id = self.get(self._mgmt("checkpoint"), {"path": path})["run_id"]
         run = self.get_training_run(run_id)
         return t.WeightsInfoResponse(
             training_run_id=run.training_run_id,
@@ -283,7 +285,7 @@ class TwinkleClient:
     ) -> t.DeleteCheckpointResponse:
         """Upstream's ``delete_checkpoint(run_id, checkpoint_id)``; or one ``twinkle://`` path
         as ``run_id`` alone."""
-        path = run_id
+        path = getattr(run_id, "twinkle_path", run_id)
         if checkpoint_id is not None:
             path = self.get_checkpoint_twinkle_path(run_id, checkpoint_id)
         self.request("DELETE", self._mgmt("checkpoint"), params={"path": path})
