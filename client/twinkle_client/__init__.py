@@ -1,9 +1,11 @@
 """twinkle_client: the native client of a Twinkle server.
 
-Light by design (httpx and numpy, no torch), so it installs anywhere a training loop runs.
-``from twinkle_client.model import MultiLoraTransformersModel`` mirrors the engine's in-process
-class; ``twinkle_client.sampler`` samples; ``twinkle_client.dataset`` / ``dataloader`` /
-``template`` / ``preprocessor`` prepare data; `init_tinker_client` points the Tinker SDK here.
+Light by design (httpx, numpy and pydantic, no torch), so it installs anywhere a training loop
+runs. It speaks upstream Twinkle's native protocol (twinkle-kit 0.5.1) with upstream's public API:
+``from twinkle_client.model import MultiLoraTransformersModel`` and
+``from twinkle_client.sampler import vLLMSampler`` behave as upstream's; ``twinkle_client.types``
+holds the response objects; ``twinkle_client.dataset`` / ``dataloader`` / ``template`` /
+``preprocessor`` prepare data; `init_tinker_client` points the Tinker SDK here.
 """
 
 from twinkle_client._client import (
@@ -13,6 +15,7 @@ from twinkle_client._client import (
     RateLimitedError,
     ServerError,
     TwinkleClient,
+    TwinkleClientError,
     TwinkleError,
     get_client,
     init_twinkle_client,
@@ -27,6 +30,7 @@ __all__ = [
     "RateLimitedError",
     "ServerError",
     "TwinkleClient",
+    "TwinkleClientError",
     "TwinkleError",
     "__version__",
     "get_client",

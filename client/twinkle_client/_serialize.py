@@ -1,10 +1,12 @@
-"""Turning the client's arguments into JSON: numpy arrays and tensors become lists, a
-`peft.LoraConfig` (or any object with ``to_dict``) a dict, classes and instances their names
-(losses, optimizers, templates are chosen by name on the server). Callables cannot travel."""
+"""Turning the client's arguments into JSON: numpy arrays and tensors become lists, pydantic
+objects their dicts, a `peft.LoraConfig` (or a dict) the JSON string upstream's client sends,
+classes and instances their names (losses, optimizers, templates are chosen by name on the
+server). Callables cannot travel."""
 
 from __future__ import annotations
 
 import enum
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -25,13 +27,33 @@ def name_of(obj: Any, what: str) -> str:
 
 
 def lora_config_dict(config: Any) -> Any:
+    """A LoRA config as a JSON-ready dict: a dict as is, a `peft.LoraConfig` its public
+    attributes (those JSON can carry, as upstream's client does); a string or None unchanged."""
     if isinstance(config, (str, Mapping)) or config is None:
         return to_wire(config)
-    if hasattr(config, "to_dict"):
-        return to_wire(config.to_dict())
     if hasattr(config, "__dict__"):
-        return to_wire({k: v for k, v in vars(config).items() if not k.startswith("_")})
+        out = {}
+        for k, v in vars(config).items():
+            if k.startswith("_"):
+                continue
+            try:
+                out[k] = to_wire(v)
+            except InvalidRequestError:  # upstream drops what JSON cannot carry
+                continue
+        return out
     raise InvalidRequestError(f"config: {type(config).__name__} is not a LoRA config")
+
+
+def lora_config_json(config: Any) -> str | None:
+    """``add_adapter_to_model``'s ``config``: a JSON string of the config dict (a
+    `peft.LoraConfig` gets upstream's ``_TWINKLE_TYPE_`` marker); a string is passed as is,
+    None means full-parameter training."""
+    if config is None or isinstance(config, str):
+        return config
+    data = lora_config_dict(config)
+    if not isinstance(config, Mapping):
+        data["_TWINKLE_TYPE_"] = "LoraConfig"
+    return json.dumps(data, ensure_ascii=False)
 
 
 def to_wire(value: Any) -> Any:
@@ -47,12 +69,12 @@ def to_wire(value: Any) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         seq = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
         return [to_wire(v) for v in seq]
+    if hasattr(value, "model_dump"):  # pydantic objects (e.g. a forward_only response)
+        return to_wire(value.model_dump())
     if hasattr(value, "detach"):  # torch.Tensor, without importing torch
         value = value.detach().cpu().numpy()
     if hasattr(value, "tolist"):  # numpy arrays and scalars
         return value.tolist()
-    if hasattr(value, "model_dump"):
-        return to_wire(value.model_dump())
     if callable(value):
         raise InvalidRequestError(
             f"{getattr(value, '__name__', value)!r}: functions cannot be sent to the server"

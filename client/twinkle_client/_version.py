@@ -1,3 +1,3 @@
 """The client's version (sent to the server when a session is created)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -5,8 +5,9 @@ upstream's names for the same renderer. ``model.set_template(t)`` and ``sampler.
 accept an instance (its name and options are sent).
 
 Encoding a trajectory ``{"messages": [{"role", "content"}, ...]}`` gives ``{"input_ids",
-"labels"}`` where only assistant turns are trained (others are -100); the trajectory's other keys
-are kept next to them.
+"labels", ...}`` with upstream's ROLLED labels (``labels[i]`` is the target of ``input_ids[i]``, the
+last is -100; only assistant turns are trained, the rest is -100); the trajectory's own keys
+(``messages`` included) are kept next to them, as upstream's Template does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ from twinkle_client.model import strip_hub_prefix
 _BATCH = 256
 
 
+def template_class(name: Any) -> type[Template]:
+    """The client class for a template name (unknown names: the generic class with that name,
+    which the server checks)."""
+    if isinstance(name, type) and issubclass(name, Template):
+        return name
+    key = name if isinstance(name, str) else getattr(name, "__name__", type(name).__name__)
+    found = TEMPLATES.get(key)
+    return found if found is not None else type(key, (Template,), {"template_name": key})
+
+
 class Template:
     template_name = "Template"
 
@@ -32,8 +43,9 @@ class Template:
         truncation_strategy: str = "right",
         default_system: str | None = None,
         client: TwinkleClient | None = None,
-        **_: Any,
+        **options: Any,
     ) -> None:
+        """``options``: further template options the server knows (e.g. ``enable_thinking``)."""
         self.model_id = strip_hub_prefix(str(model_id))
         self.client = get_client(client)
         self.options: dict[str, Any] = {"truncation_strategy": truncation_strategy}
@@ -41,6 +53,7 @@ class Template:
             self.options["max_length"] = max_length
         if default_system is not None:
             self.options["default_system"] = default_system
+        self.options.update({k: to_wire(v) for k, v in options.items() if v is not None})
 
     def batch_encode(
         self, trajectories: Iterable[Mapping[str, Any]], add_generation_prompt: bool = False
@@ -57,8 +70,7 @@ class Template:
             }
             feats = self.client.post("twinkle/encode", body)["features"]
             for t, f in zip(chunk, feats, strict=True):
-                extra = {key: v for key, v in t.items() if key != "messages"}
-                out.append({**extra, **f})
+                out.append({**t, **f})
         return out
 
     def encode(
@@ -85,3 +97,16 @@ class Qwen3_5Template(Template):
 
 class SmolLMTemplate(Template):
     template_name = "SmolLMTemplate"
+
+
+TEMPLATES: dict[str, type[Template]] = {
+    c.template_name: c
+    for c in (
+        Template,
+        ChatMLTemplate,
+        Qwen2Template,
+        Qwen3Template,
+        Qwen3_5Template,
+        SmolLMTemplate,
+    )
+}

@@ -43,7 +43,7 @@ from gateway.db import make_engine, session_scope, upgrade_to_head  # noqa: E402
 from gateway.engine_client import EngineClient  # noqa: E402
 from gateway.main import create_app  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
-from tests.twinkle_scripts import BASE, hf_data, sft_script  # noqa: E402
+from tests.twinkle_scripts import BASE, hf_data, roll, sft_script  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -131,14 +131,16 @@ def env(tmp_path_factory, redis_url):
 def _client(ports: list[int], key: str) -> tuple[twinkle_client.TwinkleClient, RoundRobin]:
     transport = RoundRobin(ports)
     url = f"http://127.0.0.1:{ports[0]}"
-    client = twinkle_client.TwinkleClient(url, key, heartbeat_interval=None, transport=transport)
+    client = twinkle_client.TwinkleClient(
+        url, key, session_heartbeat_interval=None, transport=transport
+    )
     return client, transport
 
 
 def test_a_loop_alternating_replicas_equals_one_replica(env):
     replicas, trainers, keys, model_dir = env
     key = keys["alice"]
-    data = hf_data(model_dir)
+    data = roll(hf_data(model_dir))  # upstream's protocol takes rolled labels
     one, one_t = _client(replicas.ports[:1], key)
     both, both_t = _client(replicas.ports, key)
     single = sft_script(RemoteModel, BASE, data, client=one)

@@ -22,7 +22,7 @@ import pytest
 
 import twinkle_client
 from engine.local.model import MultiLoraTransformersModel as LocalModel
-from tests.twinkle_scripts import BASE, dpo_step, grpo_step, hf_data, sft_script
+from tests.twinkle_scripts import BASE, dpo_step, grpo_step, hf_data, roll, sft_script
 from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
 from twinkle_client.sampler import vLLMSampler
 
@@ -41,7 +41,8 @@ def test_same_script_in_process_and_remote(server, tw, tmp_path):
     model_dir = server.data_dir / "models" / "tiny-chat"  # built by the server; same recipe
     data = hf_data(model_dir)
     local = sft_script(LocalModel, str(model_dir), data, data_dir=tmp_path)
-    remote = sft_script(RemoteModel, BASE, data)  # the client from init_twinkle_client
+    # the client from init_twinkle_client; upstream's protocol takes rolled labels
+    remote = sft_script(RemoteModel, BASE, roll(data))
     np.testing.assert_allclose(remote["losses"], local["losses"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(remote["resumed"], local["resumed"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(remote["norms"], local["norms"], rtol=1e-5, atol=1e-6)
@@ -49,16 +50,16 @@ def test_same_script_in_process_and_remote(server, tw, tmp_path):
     assert remote["losses"][-1] < remote["losses"][0]
     assert remote["resume_info"]["cur_step"] == 2
     run_id = remote["ckpt"].removeprefix("twinkle://").split("/")[0]
-    assert [c["twinkle_path"] for c in tw.list_checkpoints(run_id)] == [remote["ckpt"]]
+    assert [c.twinkle_path for c in tw.list_checkpoints(run_id)] == [remote["ckpt"]]
 
 
 def test_dpo_and_grpo_steps(server, tw):
-    dpo = dpo_step(RemoteModel, BASE, hf_data(server.data_dir / "models" / "tiny-chat"))
-    assert np.isfinite(dpo["loss"]) and dpo["step"]["grad_norm"] > 0
-    assert "dpo_accuracy:mean" in dpo["metrics"]
+    dpo = dpo_step(RemoteModel, BASE, roll(hf_data(server.data_dir / "models" / "tiny-chat")))
+    assert np.isfinite(dpo["loss"]) and dpo["metrics"]["grad_norm"] > 0
+    assert "dpo_accuracy:mean" in dpo["output"]["metrics"]
     grpo = grpo_step(RemoteModel, vLLMSampler, BASE)
     assert grpo["num_sequences"] == 4 and np.isfinite(grpo["loss"])
-    assert grpo["step"]["grad_norm"] > 0
+    assert grpo["metrics"]["grad_norm"] > 0
 
 
 def _run(cmd, env, timeout=300):

@@ -17,7 +17,7 @@ import pytest
 import twinkle_client
 from engine.base_models.registry import resolve_model_dir
 from engine.local.model import MultiLoraTransformersModel as LocalModel
-from tests.twinkle_scripts import BASE, dpo_step, grpo_step, hf_data, sft_script
+from tests.twinkle_scripts import BASE, dpo_step, grpo_step, hf_data, roll, sft_script
 from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
 from twinkle_client.sampler import vLLMSampler
 
@@ -40,7 +40,7 @@ def env(make_gateway):
     keys = {u: gw.key(u) for u in ("alice", "bob")}
 
     def client(user: str, **kw) -> twinkle_client.TwinkleClient:
-        kw.setdefault("heartbeat_interval", None)
+        kw.setdefault("session_heartbeat_interval", None)
         return twinkle_client.TwinkleClient(
             "http://testserver", keys[user], transport=_Transport(tc._transport), **kw
         )
@@ -61,7 +61,7 @@ def alice(env):
 def test_same_script_in_process_and_remote_gives_equal_losses(env, alice, tmp_path):
     data = hf_data(env["model_dir"])
     local = sft_script(LocalModel, str(env["model_dir"]), data, data_dir=tmp_path)
-    remote = sft_script(RemoteModel, BASE, data, client=alice)
+    remote = sft_script(RemoteModel, BASE, roll(data), client=alice)  # rolled: upstream's rows
     assert len(local["losses"]) == len(remote["losses"]) == 8
     np.testing.assert_allclose(remote["losses"], local["losses"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(remote["resumed"], local["resumed"], rtol=0, atol=1e-5)
@@ -81,30 +81,31 @@ def test_same_script_in_process_and_remote_gives_equal_losses(env, alice, tmp_pa
     # the checkpoint is a checkpoint of the adapter's training run, listed by both APIs
     run_id = remote["ckpt"].removeprefix("twinkle://").split("/")[0]
     ckpts = alice.list_checkpoints(run_id)
-    assert [c["twinkle_path"] for c in ckpts] == [remote["ckpt"]]
+    assert [c.twinkle_path for c in ckpts] == [remote["ckpt"]]
     tinker_list = env["tc"].get(
         f"/api/v1/training_runs/{run_id}/checkpoints", headers={"X-API-Key": env["keys"]["alice"]}
     )
     assert tinker_list.json()["checkpoints"][0]["tinker_path"] == "tinker://" + remote["ckpt"][10:]
-    assert any(r["training_run_id"] == run_id for r in alice.list_training_runs(limit=100))
+    assert any(r.training_run_id == run_id for r in alice.list_training_runs(limit=100))
     info = alice.get_checkpoint(remote["ckpt"])
-    assert info["run_id"] == run_id and info["size_bytes"] > 0
+    assert info.model_dump()["run_id"] == run_id and (info.size_bytes or 0) > 0
 
 
 def test_dpo_and_grpo_steps(env, alice):
-    dpo = dpo_step(RemoteModel, BASE, hf_data(env["model_dir"]), client=alice)
-    assert np.isfinite(dpo["loss"]) and dpo["step"]["grad_norm"] > 0
+    dpo = dpo_step(RemoteModel, BASE, roll(hf_data(env["model_dir"])), client=alice)
+    assert np.isfinite(dpo["loss"]) and dpo["metrics"]["grad_norm"] > 0
     grpo = grpo_step(RemoteModel, vLLMSampler, BASE, client=alice)
     assert grpo["num_sequences"] == 4 and all(t for t in grpo["texts"])
-    assert np.isfinite(grpo["loss"]) and grpo["step"]["grad_norm"] > 0
+    assert np.isfinite(grpo["loss"]) and grpo["metrics"]["grad_norm"] > 0
 
 
 def test_sampling_returns_tokens_logprobs_text_and_features(alice, env):
     s = vLLMSampler(BASE, client=alice)
-    s.set_template("Qwen3_5Template", max_length=64)
+    s.set_template("Qwen3_5Template", model_id=BASE, max_length=64)
     traj = {"messages": [{"role": "user", "content": "What is 2 plus 2?"}]}
     (res,) = s.sample(
-        [traj], {"max_tokens": 5, "temperature": 0.0, "num_samples": 2, "logprobs": 1}
+        inputs=[traj],
+        sampling_params={"max_tokens": 5, "temperature": 0.0, "num_samples": 2, "logprobs": 1},
     )
     assert len(res.sequences) == 2
     a, b = res.sequences
@@ -112,20 +113,21 @@ def test_sampling_returns_tokens_logprobs_text_and_features(alice, env):
     assert len(a.logprobs) == len(a.tokens) and a.logprobs[0][0][0] == a.tokens[0]
     assert all(lp <= 0 for lp in a.token_logprobs) and isinstance(a.decoded, str)
     f = a.new_input_feature
-    n = len(res.prompt_tokens)
-    assert f["input_ids"] == res.prompt_tokens + a.tokens
+    prompt_tokens = res.model_dump()["prompt_tokens"]  # ours, beyond upstream's fields
+    n = len(prompt_tokens)
+    assert f["input_ids"] == prompt_tokens + a.tokens
     assert f["labels"][:n] == [-100] * n and f["labels"][n:] == a.tokens
     assert f["logprobs"][n:] == a.token_logprobs
     # an encoded feature samples the same as its trajectory
-    again = s.sample({"input_ids": res.prompt_tokens}, {"max_tokens": 5, "temperature": 0.0})
+    (again,) = s.sample([{"input_ids": prompt_tokens}], {"max_tokens": 5, "temperature": 0.0})
     assert again.sequences[0].tokens == a.tokens
 
 
 def test_management_calls_and_heartbeats(env):
-    c = env["client"]("alice", heartbeat_interval=0.2)
+    c = env["client"]("alice", session_heartbeat_interval=0.2)
     caps = c.get_server_capabilities()
-    assert caps["supported_models"][0]["model_name"] == BASE
-    cap = c.get_capacity_info()["models"][0]
+    assert caps.supported_models[0].model_name == BASE
+    cap = (c.get_capacity_info().models or [])[0]
     assert cap["base_model"] == BASE and cap["max_loras"] >= cap["used_loras"] >= 0
     deadline = time.monotonic() + 10
     while c.heartbeats < 2 and time.monotonic() < deadline:
@@ -159,7 +161,7 @@ def test_management_calls_and_heartbeats(env):
 def test_other_users_resources_are_404(env, alice):
     m = RemoteModel(BASE, client=alice)
     m.add_adapter_to_model("default", {"r": 4, "target_modules": "all-linear"})
-    path = m.save("mine", is_sampler=True)
+    path = m.save("mine", is_sampler=True).twinkle_path
     bob = env["client"]("bob")
     stolen = RemoteModel(BASE, client=bob)
     stolen.remote_id = m.remote_id  # bob guesses alice's model id
@@ -174,7 +176,7 @@ def test_other_users_resources_are_404(env, alice):
     with pytest.raises(twinkle_client.NotFoundError, match="checkpoint"):
         own.load(path)
     with pytest.raises(twinkle_client.NotFoundError, match="adapter_uri"):
-        vLLMSampler(BASE, client=bob).sample({"input_ids": [1, 2, 3]}, adapter_uri=path)
+        vLLMSampler(BASE, client=bob).sample([{"input_ids": [1, 2, 3]}], adapter_uri=path)
     run_id = path.removeprefix("twinkle://").split("/")[0]
     with pytest.raises(twinkle_client.NotFoundError):
         bob.list_checkpoints(run_id)
@@ -186,7 +188,7 @@ def test_other_users_resources_are_404(env, alice):
     m.remove_adapter()
     m.add_adapter_to_model("default", {"r": 8})
     assert m.get_train_configs()["lora"]["r"] == 8
-    assert [c["twinkle_path"] for c in alice.list_checkpoints(run_id)] == [path]
+    assert [c.twinkle_path for c in alice.list_checkpoints(run_id)] == [path]
     alice.delete_checkpoint(path)
     with pytest.raises(twinkle_client.NotFoundError):
         alice.get_checkpoint(path)
@@ -195,7 +197,7 @@ def test_other_users_resources_are_404(env, alice):
     m.close()  # frees the adapters; the model is gone, its run stays listed
     with pytest.raises(twinkle_client.NotFoundError, match="model_id"):
         m.get_train_configs()
-    assert any(r["training_run_id"] == run_id for r in alice.list_training_runs(limit=1000))
+    assert any(r.training_run_id == run_id for r in alice.list_training_runs(limit=1000))
 
 
 def test_bad_input_is_4xx_naming_the_problem(env, alice):

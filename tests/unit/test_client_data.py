@@ -1,5 +1,6 @@
-"""twinkle_client's data toolkit without a server: Dataset loading and preprocessors, the
-DataLoader's batching / state / resume, argument serialization."""
+"""twinkle_client's data toolkit without a server: Dataset loading and preprocessors (upstream's
+calls too), the DataLoader's batching / state / resume, argument serialization. Encoding through
+the server is covered in test_client_protocol.py."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import numpy as np
 import pytest
 
 from twinkle_client import InvalidRequestError
-from twinkle_client._serialize import lora_config_dict, name_of, to_wire
+from twinkle_client._serialize import lora_config_dict, lora_config_json, name_of, to_wire
 from twinkle_client.dataloader import DataLoader
 from twinkle_client.dataset import Dataset, DatasetError, DatasetMeta, dpo_batch
-from twinkle_client.preprocessor import MathProcessor
+from twinkle_client.preprocessor import MathProcessor, SelfCognitionProcessor
 
 ROWS = [
     {"query": "Who are you?", "response": "I am {{NAME}}, made by {{AUTHOR}}."},
@@ -112,15 +113,24 @@ def test_dataloader_batches_state_and_resume():
 
 
 def test_serialization_of_arguments():
-    class LoraConfig:  # peft-like: to_dict with a set and an enum-ish value
-        def to_dict(self):
-            return {"r": 8, "target_modules": {"v_proj", "q_proj"}, "lora_dropout": 0.0}
+    class LoraConfig:  # peft-like: public attributes, a set, an enum-like str, a private one
+        def __init__(self):
+            self.r, self.target_modules, self.lora_dropout = 8, {"v_proj", "q_proj"}, 0.0
+            self._private, self.runtime = 1, object()  # what JSON cannot carry is dropped
 
     assert lora_config_dict(LoraConfig()) == {
         "r": 8,
         "target_modules": ["q_proj", "v_proj"],
         "lora_dropout": 0.0,
     }
+    assert json.loads(lora_config_json(LoraConfig()) or "") == {
+        "r": 8,
+        "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0,
+        "_TWINKLE_TYPE_": "LoraConfig",
+    }
+    assert json.loads(lora_config_json({"r": 4}) or "") == {"r": 4}
+    assert lora_config_json(None) is None
     assert to_wire({"x": np.arange(3), "y": (np.float32(1.5),)}) == {"x": [0, 1, 2], "y": [1.5]}
 
     class CrossEntropyLoss:
@@ -132,13 +142,43 @@ def test_serialization_of_arguments():
         to_wire({"fn": lambda x: x})
 
 
+def test_upstream_style_dataset_calls(files):
+    path = str(files / "d.jsonl")
+    ds = Dataset(dataset_meta=DatasetMeta(path, subset_name="default", split="train"))
+    assert len(ds) == 3
+    assert len(Dataset(dataset_id=path, data_slice=range(2))) == 2  # DatasetMeta's fields
+    assert Dataset(DatasetMeta(data={"a": [1, 2]})).rows == [{"a": 1}, {"a": 2}]
+    with pytest.raises(DatasetError, match="model_id is required"):
+        ds.set_template("Qwen3_5Template", max_length=16)
+    with pytest.raises(DatasetError, match="no template"):
+        ds.encode(batched=True)
+    ds.map(SelfCognitionProcessor, init_args={"model_name": "A", "model_author": "B"})
+    assert ds[0]["messages"][-1]["content"] == "I am A, made by B."
+    pairs = dpo_batch([{"id": 7, "positive": {"input_ids": [1]}, "negative": {"input_ids": [2]}}])
+    assert pairs == [{"id": 7, "input_ids": [1]}, {"id": 7, "input_ids": [2]}]
+
+
+def test_dataloader_get_state_counts_all_epochs():
+    data = [{"i": i} for i in range(10)]
+    dl = DataLoader(dataset=lambda: data, batch_size=4, num_workers=0)
+    list(dl)
+    next(iter(dl))
+    assert dl.get_state() == {"consumed_train_samples": 14} and len(dl) == 3
+    again = DataLoader(data, batch_size=4)
+    again.resume_from_checkpoint(dl.get_state()["consumed_train_samples"])
+    assert (again.epoch, again.consumed) == (1, 4)
+    again.load_state_dict({"consumed_train_samples": 3})
+    assert (again.epoch, again.consumed) == (0, 3)
+
+
 def test_public_surface_imports_without_torch():
     import subprocess
     import sys
 
     code = (
         "import sys, twinkle_client\n"
-        "from twinkle_client import model, sampler, dataset, dataloader, template, preprocessor\n"
+        "from twinkle_client import model, sampler, dataset, dataloader, template, types\n"
+        "from twinkle_client import preprocessor\n"
         "missing = [n for n in twinkle_client.__all__ if not hasattr(twinkle_client, n)]\n"
         "assert not missing, missing\n"
         "heavy = [m for m in ('torch', 'transformers', 'tinker', 'engine', 'gateway')\n"

@@ -21,7 +21,6 @@ from twinkle_client import init_twinkle_client
 from twinkle_client.dataloader import DataLoader
 from twinkle_client.dataset import Dataset, DatasetMeta
 from twinkle_client.model import MultiLoraTransformersModel
-from twinkle_client.template import Template
 
 MODEL_ID = os.environ.get("TWINKLE_MODEL_ID", "twinkle/tiny-chat")
 DATA = Path(__file__).with_name("self_cognition.jsonl")
@@ -29,17 +28,17 @@ DATA = Path(__file__).with_name("self_cognition.jsonl")
 
 def main(max_steps: int, resume: str | None) -> dict:
     client = init_twinkle_client()  # TWINKLE_SERVER_URL / TWINKLE_SERVER_TOKEN
-    models = [m["model_name"] for m in client.get_server_capabilities()["supported_models"]]
+    models = [m.model_name for m in client.get_server_capabilities().supported_models]
     assert MODEL_ID in models, f"{MODEL_ID} is not served; served: {models}"
 
-    template = Template(MODEL_ID, max_length=128)
-    dataset = Dataset(DatasetMeta(str(DATA), data_slice=range(8)))
+    dataset = Dataset(dataset_meta=DatasetMeta(str(DATA), data_slice=range(8)))
+    dataset.set_template("Template", model_id=MODEL_ID, max_length=128)
     dataset.map(
         "SelfCognitionProcessor",
         init_args={"model_name": "Twinkle", "model_author": "the Twinkle team"},
     )
-    dataset.encode(template)
-    loader = DataLoader(dataset, batch_size=2, shuffle=True, seed=0)
+    dataset.encode(batched=True)  # through the server: rolled labels, as upstream's Template
+    loader = DataLoader(dataset=dataset, batch_size=2, shuffle=True, seed=0)
 
     model = MultiLoraTransformersModel(MODEL_ID)
     model.add_adapter_to_model(
@@ -47,31 +46,32 @@ def main(max_steps: int, resume: str | None) -> dict:
         {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"},
         gradient_accumulation_steps=2,
     )
-    model.set_template(template)
+    model.set_template("Template")
     model.set_processor("InputProcessor", padding_side="right")
     model.set_loss("CrossEntropyLoss")
     model.set_optimizer("AdamW", lr=5e-3)
     model.set_lr_scheduler("cosine", warmup_steps=1, total_steps=max_steps // 2)
-    consumed = 0
     if resume:
-        info = model.resume_from_checkpoint(resume)
-        consumed = info["consumed_train_samples"]
-        loader.resume_from_checkpoint(consumed)
+        progress = model.resume_from_checkpoint(resume)
+        loader.resume_from_checkpoint(progress["consumed_train_samples"])
 
-    losses, step = [], consumed // loader.batch_size
+    losses, step = [], loader.get_state()["consumed_train_samples"] // loader.batch_size
     while step < max_steps:
         for batch in loader:
             out = model.forward_backward(inputs=batch)
             model.clip_grad_and_step(max_grad_norm=1.0)
-            losses.append(out["loss"])
-            consumed += len(batch)
+            losses.append(out.result["loss"])
             step += 1
             if step == max_steps:
                 break
-    metrics = model.calculate_metric(is_training=True)
-    path = model.save("self-cognition-final", save_optimizer=True, consumed_train_samples=consumed)
+    metrics = model.calculate_metric(is_training=True).result
+    saved = model.save(
+        "self-cognition-final",
+        save_optimizer=True,
+        consumed_train_samples=loader.get_state()["consumed_train_samples"],
+    )
     client.close()
-    return {"losses": losses, "checkpoint": path, "metrics": metrics}
+    return {"losses": losses, "checkpoint": saved.twinkle_path, "metrics": metrics}
 
 
 if __name__ == "__main__":
