@@ -53,12 +53,14 @@ def sft_script(MultiLoraTransformersModel, model_id: str, data: list[dict], **mo
     accumulation boundary, then a fresh model resumes from that checkpoint and runs the rest."""
     model = MultiLoraTransformersModel(model_id, **model_kwargs)
     _setup(model)
-    model.forward_backward(inputs=data[:1])  # a probe whose gradient is dropped again
+    model.forward_backward(
+        inputs=data[:1], label_format="hf"
+    )  # a probe whose gradient is dropped again
     probe_norm = model.clip_grad_norm(max_grad_norm=0.0)
     model.zero_grad()
     losses, norms, ckpt = [], [], None
     for i in range(MICRO_STEPS):
-        losses.append(model.forward_backward(inputs=_micro(data, i))["loss"])
+        losses.append(model.forward_backward(inputs=_micro(data, i), label_format="hf")["loss"])
         norms.append(model.clip_grad_and_step(max_grad_norm=1.0))
         if i + 1 == SAVE_AFTER:
             ckpt = model.save(
@@ -72,7 +74,9 @@ def sft_script(MultiLoraTransformersModel, model_id: str, data: list[dict], **mo
     start = info["consumed_train_samples"] // MICRO_BATCH
     resumed = []
     for i in range(start, MICRO_STEPS):
-        resumed.append(resumed_model.forward_backward(inputs=_micro(data, i))["loss"])
+        resumed.append(
+            resumed_model.forward_backward(inputs=_micro(data, i), label_format="hf")["loss"]
+        )
         resumed_model.clip_grad_and_step(max_grad_norm=1.0)
     return {
         "losses": losses,
@@ -93,9 +97,11 @@ def dpo_step(MultiLoraTransformersModel, model_id: str, data: list[dict], **mode
     model.set_loss("DPOLoss", beta=0.1, adapter_name="dpo")
     model.set_optimizer("AdamW", lr=1e-3, adapter_name="dpo")
     pairs = [data[0], data[1], data[3], data[2]]  # (chosen, rejected) x 2
-    ref = model.forward_only(inputs=pairs, adapter_name="dpo", disable_lora=True)["logprobs"]
+    ref = model.forward_only(
+        inputs=pairs, adapter_name="dpo", disable_lora=True, label_format="hf"
+    )["logprobs"]
     batch = [dict(d, ref_logprobs=[float(x) for x in lp]) for d, lp in zip(pairs, ref, strict=True)]
-    out = model.forward_backward(inputs=batch, adapter_name="dpo")
+    out = model.forward_backward(inputs=batch, adapter_name="dpo", label_format="hf")
     step = model.step(adapter_name="dpo")
     return {"loss": out["loss"], "step": step, "metrics": out["metrics"]}
 
@@ -125,6 +131,6 @@ def grpo_step(MultiLoraTransformersModel, Sampler, model_id: str, **kwargs) -> d
         for s, r in zip(res.sequences, rewards, strict=True):
             features.append(dict(s.new_input_feature, advantages=r - mean))
             texts.append(s.decoded or "<empty>")
-    out = model.forward_backward(inputs=features, adapter_name="grpo")
+    out = model.forward_backward(inputs=features, adapter_name="grpo", label_format="hf")
     step = model.step(adapter_name="grpo")
     return {"num_sequences": len(features), "texts": texts, "loss": out["loss"], "step": step}

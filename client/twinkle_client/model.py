@@ -31,6 +31,20 @@ def strip_hub_prefix(model_id: str) -> str:
     return model_id
 
 
+def _call_kwargs(label_format, advantages, old_logps, ref_outputs, task) -> dict[str, Any]:
+    """The per-call pass arguments that differ from their defaults (older servers lack them)."""
+    given = {
+        "advantages": advantages,
+        "old_logps": old_logps,
+        "ref_outputs": ref_outputs,
+        "task": task,
+    }
+    out = {k: v for k, v in given.items() if v is not None}
+    if label_format != "rolled":
+        out["label_format"] = label_format
+    return out
+
+
 class MultiLoraTransformersModel:
     """Many LoRA adapters on the server's copy of ``model_id`` (a served base model name;
     ``ms://`` / ``hf://`` prefixes are dropped)."""
@@ -123,23 +137,58 @@ class MultiLoraTransformersModel:
 
     # -- passes --------------------------------------------------------------------------------
     def forward_backward(
-        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+        self,
+        inputs: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        label_format: str = "rolled",
+        advantages: Any = None,
+        old_logps: Any = None,
+        ref_outputs: Any = None,
+        task: str | None = None,
+        **loss_kwargs,
     ) -> dict[str, Any]:
+        call = _call_kwargs(label_format, advantages, old_logps, ref_outputs, task)
         return self._pass_result(
-            self._call("forward_backward", adapter_name, inputs=inputs, **loss_kwargs)
+            self._call("forward_backward", adapter_name, inputs=inputs, **call, **loss_kwargs)
         )
 
     def forward_only(
-        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+        self,
+        inputs: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        label_format: str = "rolled",
+        advantages: Any = None,
+        old_logps: Any = None,
+        ref_outputs: Any = None,
+        task: str | None = None,
+        disable_lora: bool = False,
+        **loss_kwargs,
     ) -> dict[str, Any]:
+        call = _call_kwargs(label_format, advantages, old_logps, ref_outputs, task)
+        if disable_lora:
+            call["disable_lora"] = True
         return self._pass_result(
-            self._call("forward_only", adapter_name, inputs=inputs, **loss_kwargs)
+            self._call("forward_only", adapter_name, inputs=inputs, **call, **loss_kwargs)
         )
 
     def forward(
-        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+        self,
+        inputs: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        label_format: str = "rolled",
+        advantages: Any = None,
+        old_logps: Any = None,
+        ref_outputs: Any = None,
+        task: str | None = None,
+        **loss_kwargs,
     ) -> dict[str, Any]:
-        return self._pass_result(self._call("forward", adapter_name, inputs=inputs, **loss_kwargs))
+        call = _call_kwargs(label_format, advantages, old_logps, ref_outputs, task)
+        return self._pass_result(
+            self._call("forward", adapter_name, inputs=inputs, **call, **loss_kwargs)
+        )
 
     def calculate_loss(self, *, adapter_name: str = DEFAULT_ADAPTER) -> float:
         return float(self._call("calculate_loss", adapter_name))
@@ -183,6 +232,17 @@ class MultiLoraTransformersModel:
         self, is_training: bool = True, *, adapter_name: str = DEFAULT_ADAPTER
     ) -> dict[str, float | None]:
         return self._call("calculate_metric", adapter_name, is_training=is_training)
+
+    def add_metric(
+        self,
+        metric_cls: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        is_training: bool | None = None,
+        **kwargs,
+    ) -> None:
+        name = name_of(metric_cls, "metric_cls")
+        self._call("add_metric", adapter_name, metric_cls=name, is_training=is_training, **kwargs)
 
     # -- checkpoints ---------------------------------------------------------------------------
     @staticmethod

@@ -45,9 +45,9 @@ from engine.local.adapter_state import (
     MetricAcc,
     check_count,
     checkpoint_dir,
-    pass_result,
 )
-from engine.local.inputs import to_datums
+from engine.local.metrics import make_metric
+from engine.local.passes import check_task, loss_config, pass_result, prepare
 from engine.local.training_config import (
     check_clip,
     make_schedule,
@@ -58,6 +58,16 @@ from engine.protocol import AdamParams, ForwardBackwardInput, lora_spec_from_con
 
 DEFAULT_ADAPTER = "default"
 __all__ = ["DEFAULT_ADAPTER", "TRAIN_CONFIG_FILE", "MultiLoraTransformersModel", "default_data_dir"]
+
+
+def _call_args(label_format, advantages, old_logps, ref_outputs, task) -> dict[str, Any]:
+    return {
+        "label_format": label_format,
+        "advantages": advantages,
+        "old_logps": old_logps,
+        "ref_outputs": ref_outputs,
+        "task": task,
+    }
 
 
 def default_data_dir() -> Path:
@@ -186,44 +196,90 @@ class MultiLoraTransformersModel:
 
     # ------------------------------------------------------------------------------- passes
 
-    def _pass(self, adapter_name: str, inputs: Any, loss_kwargs: dict, mode: str) -> dict:
+    def _pass(self, adapter_name: str, inputs: Any, call: dict, loss_kwargs: dict, mode: str):
         """mode: "train" (gradient, training metrics), "eval" (no gradient, evaluation metrics),
-        "forward" (no gradient, no metrics, inputs kept for `backward`); inputs may be the
-        DatumInputs `backward` cached."""
+        "forward" (no gradient, no metrics, inputs kept for `backward`); ``inputs`` may be the
+        Batch `backward` cached; ``call``: label_format, advantages, old_logps, ref_outputs."""
         st = self._st(adapter_name)
-        data = to_datums(inputs)
-        name, loss_fn, config = st.loss
-        if loss_kwargs:
-            config = {**config, **resolve_loss(name, loss_kwargs)[2]}
-        inp = ForwardBackwardInput(data, loss_fn, config, forward_only=mode != "train")
-        res = pass_result(self.backend.forward_backward(adapter_name, inp), data, loss_fn)
-        st.last, st.cached = res, (data, loss_kwargs) if mode != "train" else None
+        check_task(call.pop("task", None))
+        batch = prepare(inputs, **call)
+        loss_fn, config, batch = loss_config(st.loss, loss_kwargs, batch)
+        metrics = {"train": st.train_metrics, "eval": st.eval_metrics}.get(mode, [])
+        for m in metrics:
+            m.check(batch.data)
+        inp = ForwardBackwardInput(batch.data, loss_fn, config, forward_only=mode != "train")
+        out = self.backend.forward_backward(adapter_name, inp)
+        res = pass_result(out, batch, loss_fn)
+        st.last, st.cached = res, (batch, loss_kwargs) if mode != "train" else None
         if mode == "train":
             st.pending_grad = True
-            st.train.record(res, len(data))
+            st.train.record(res, len(batch.data))
         elif mode == "eval":
-            st.eval.record(res, len(data))
+            st.eval.record(res, len(batch.data))
+        for m in metrics:
+            m.record(batch.data, res["logprobs"])
         return res
 
     def forward_backward(
-        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+        self,
+        inputs: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        label_format: str = "rolled",
+        advantages: Any = None,
+        old_logps: Any = None,
+        ref_outputs: Any = None,
+        task: str | None = None,
+        **loss_kwargs,
     ) -> dict[str, Any]:
         """Loss and gradient (added to the adapter's accumulated gradient) for one batch.
-        ``loss_kwargs`` override the set_loss config for this call only."""
-        return self._pass(adapter_name, inputs, loss_kwargs, "train")
+
+        ``label_format``: how row labels line up with input_ids ("rolled", upstream's template;
+        "hf": shifted by one, see `engine.local.inputs`). Per sample: ``advantages`` (a float, or
+        per-token), ``old_logps`` (the sampler's log-probs of the trained positions, or one per
+        input position), ``ref_outputs`` (a forward_only result: its ``logps`` are the DPO
+        reference). ``task``: None only ('embedding' is not supported yet). ``loss_kwargs``
+        override the set_loss config for this call only. Result: see `engine.local.passes`."""
+        call = _call_args(label_format, advantages, old_logps, ref_outputs, task)
+        return self._pass(adapter_name, inputs, call, loss_kwargs, "train")
 
     def forward_only(
-        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+        self,
+        inputs: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        label_format: str = "rolled",
+        advantages: Any = None,
+        old_logps: Any = None,
+        ref_outputs: Any = None,
+        task: str | None = None,
+        disable_lora: bool = False,
+        **loss_kwargs,
     ) -> dict[str, Any]:
-        """Loss and log-probs without gradient; counted in the evaluation metrics."""
-        return self._pass(adapter_name, inputs, loss_kwargs, "eval")
+        """Loss and log-probs without gradient; counted in the evaluation metrics. Arguments as
+        forward_backward; ``disable_lora``: the base model's log-probs (DPO reference)."""
+        call = _call_args(label_format, advantages, old_logps, ref_outputs, task)
+        if disable_lora:
+            loss_kwargs = {**loss_kwargs, "disable_lora": True}
+        return self._pass(adapter_name, inputs, call, loss_kwargs, "eval")
 
     def forward(
-        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+        self,
+        inputs: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        label_format: str = "rolled",
+        advantages: Any = None,
+        old_logps: Any = None,
+        ref_outputs: Any = None,
+        task: str | None = None,
+        **loss_kwargs,
     ) -> dict[str, Any]:
         """First half of the two-phase style: a no-gradient pass whose inputs `backward` reuses.
-        Not counted in any metrics (the `backward` that follows is)."""
-        return self._pass(adapter_name, inputs, loss_kwargs, "forward")
+        Not counted in any metrics (the `backward` that follows is). Arguments as
+        forward_backward."""
+        call = _call_args(label_format, advantages, old_logps, ref_outputs, task)
+        return self._pass(adapter_name, inputs, call, loss_kwargs, "forward")
 
     def calculate_loss(self, *, adapter_name: str = DEFAULT_ADAPTER) -> float:
         """The ``loss`` of the last forward / forward_only / forward_backward (no computation)."""
@@ -237,8 +293,8 @@ class MultiLoraTransformersModel:
         st = self._st(adapter_name)
         if st.cached is None:
             raise UserInputError("backward: call forward first (each forward allows one backward)")
-        data, loss_kwargs = st.cached
-        return self._pass(adapter_name, data, loss_kwargs, "train")
+        batch, loss_kwargs = st.cached
+        return self._pass(adapter_name, batch, {}, loss_kwargs, "train")
 
     # ------------------------------------------------------------------------------- optimizer
 
@@ -314,13 +370,32 @@ class MultiLoraTransformersModel:
         self.lr_step(adapter_name=adapter_name)
         return norm
 
+    def add_metric(
+        self,
+        metric_cls: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        is_training: bool | None = None,
+        **kwargs,
+    ) -> None:
+        """Add a metric (`engine.local.metrics`: DPOMetric(beta); LossMetric / TrainMetric add
+        nothing) to the training passes (``is_training`` True), the evaluation passes (False) or
+        both (None); calculate_metric reports it."""
+        st = self._st(adapter_name)
+        for training in (True, False):
+            if is_training is None or bool(is_training) == training:
+                metric = make_metric(metric_cls, kwargs)
+                if metric is not None:
+                    (st.train_metrics if training else st.eval_metrics).append(metric)
+
     def calculate_metric(
         self, is_training: bool = True, *, adapter_name: str = DEFAULT_ADAPTER
     ) -> dict[str, float | None]:
         """Metrics since the last call for training (forward_backward/backward) or evaluation
         (forward_only) passes, then reset: loss (weighted-token mean for cross_entropy, mean per
         batch otherwise), loss_sum, num_tokens, num_sequences, num_batches, grad_norm (mean over
-        applied steps, None if none), lr (current), step (applied optimizer steps)."""
+        applied steps, None if none), lr (current), step (applied optimizer steps), and the
+        figures of the metrics added with `add_metric`."""
         st = self._st(adapter_name)
         acc = st.train if is_training else st.eval
         out = {
@@ -328,6 +403,8 @@ class MultiLoraTransformersModel:
             "lr": st.lr(),
             "step": st.opt_steps,
         }
+        for metric in st.train_metrics if is_training else st.eval_metrics:
+            out.update(metric.summary())
         if is_training:
             st.train = MetricAcc()
         else:

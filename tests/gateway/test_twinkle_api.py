@@ -240,7 +240,7 @@ def test_bad_input_is_4xx_naming_the_problem(env, alice):
     with pytest.raises(twinkle_client.NotFoundError, match="not a model method"):
         r("POST", "twinkle/model/__init__", json={"model_id": m.remote_id})
     # the server keeps serving after all that
-    out = m.forward_backward([{"input_ids": [5, 6, 7, 8]}])
+    out = m.forward_backward([{"input_ids": [5, 6, 7, 8]}], label_format="hf")
     assert np.isfinite(out["loss"]) and out["logprobs"][0].shape == (3,)
 
 
@@ -287,7 +287,7 @@ def test_templates_encode_through_the_server(env, alice):
     batch = dpo_batch(ds.rows)
     assert len(batch) == 4 and all("input_ids" in b for b in batch)
     m.set_loss("DPOLoss", beta=0.1)
-    out = m.forward_backward(inputs=batch)
+    out = m.forward_backward(inputs=batch, label_format="hf")
     assert np.isfinite(out["loss"]) and "dpo_accuracy:mean" in out["metrics"]
     with pytest.raises(twinkle_client.InvalidRequestError, match="messages\\[0\\].role"):
         t.encode({"messages": [{"role": "wizard", "content": "x"}]})
