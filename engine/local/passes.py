@@ -1,10 +1,10 @@
-"""One forward / forward_only / forward_backward pass of `MultiLoraTransformersModel`.
+"""One forward / forward_only / forward_backward pass of `MultiLoraTransformersModel` (`run_pass`).
 
 Owns what sits between the method's arguments and the backend call: converting the inputs
 (`engine.local.inputs`, with the explicit ``label_format``), merging the per-call RL inputs
 (``advantages``, ``old_logps``, ``ref_outputs``), the loss config of this call (set_loss's, plus
 the call's overrides; ``reference_free`` becomes zero reference log-probs here), the ``task``
-check, and the JSON-able result dict.
+check, add_metric's metrics (checked before, fed after), and the JSON-able result dict.
 
 Result of every pass (lists and floats only, so it crosses HTTP as is)::
 
@@ -21,7 +21,7 @@ Result of every pass (lists and floats only, so it crosses HTTP as is)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,7 +35,11 @@ from engine.local.inputs import (
     weighted_tokens,
 )
 from engine.local.training_config import LOCAL_LOSS_KEYS, resolve_loss
-from engine.protocol import DatumInput, ForwardBackwardOutput
+from engine.protocol import DatumInput, ForwardBackwardInput, ForwardBackwardOutput
+
+if TYPE_CHECKING:
+    from engine.backends.base import TrainingBackend
+    from engine.local.adapter_state import AdapterState
 
 #: accepted values of ``task`` (upstream's default causal-LM training)
 TASKS = (None, "causal_lm")
@@ -107,3 +111,35 @@ def pass_result(out: ForwardBackwardOutput, batch: Batch, loss_fn: str) -> dict[
         "elementwise_loss": [_floats(o.get("elementwise_loss")) for o in out.outputs],
         "metrics": {k: float(v) for k, v in out.metrics.items()},
     }
+
+
+def run_pass(
+    backend: TrainingBackend,
+    st: AdapterState,
+    adapter_name: str,
+    inputs: Any,
+    call: dict,
+    loss_kwargs: dict,
+    mode: str,
+) -> dict[str, Any]:
+    """mode: "train" (gradient, training metrics), "eval" (no gradient, evaluation metrics),
+    "forward" (no gradient, no metrics, inputs kept for `backward`); ``inputs`` may be the
+    Batch `backward` cached; ``call``: label_format, advantages, old_logps, ref_outputs, task."""
+    call = dict(call)
+    check_task(call.pop("task", None))
+    batch = prepare(inputs, **call)
+    loss_fn, config, batch = loss_config(st.loss, loss_kwargs, batch)
+    metrics = {"train": st.train_metrics, "eval": st.eval_metrics}.get(mode, [])
+    for m in metrics:
+        m.check(batch.data)  # before any compute
+    inp = ForwardBackwardInput(batch.data, loss_fn, config, forward_only=mode != "train")
+    res = pass_result(backend.forward_backward(adapter_name, inp), batch, loss_fn)
+    st.last, st.cached = res, (batch, loss_kwargs) if mode != "train" else None
+    if mode == "train":
+        st.pending_grad = True
+        st.train.record(res, len(batch.data))
+    elif mode == "eval":
+        st.eval.record(res, len(batch.data))
+    for m in metrics:
+        m.record(batch.data, res["logprobs"])
+    return res
