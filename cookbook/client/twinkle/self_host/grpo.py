@@ -64,7 +64,8 @@ def main(steps: int, generations: int, seed: int | None = None) -> dict:
             for seq, g in zip(res.sequences, group, strict=True):
                 features.append(dict(seq.new_input_feature, advantages=(g - mean) / std))
             rewards += group
-        out = model.forward_backward(inputs=features)
+        # the server's sampler writes HF-aligned labels/logprobs (labels[i] = input_ids[i])
+        out = model.forward_backward(inputs=features, label_format="hf")
         metrics = model.step()
         history.append(
             {"loss": out["loss"], "mean_reward": sum(rewards) / len(rewards), **(metrics or {})}

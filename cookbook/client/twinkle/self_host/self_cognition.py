@@ -61,7 +61,8 @@ def main(max_steps: int, resume: str | None) -> dict:
     losses, step = [], consumed // loader.batch_size
     while step < max_steps:
         for batch in loader:
-            out = model.forward_backward(inputs=batch)
+            # the server's template encodes HF-aligned labels (labels[i] = input_ids[i])
+            out = model.forward_backward(inputs=batch, label_format="hf")
             model.clip_grad_and_step(max_grad_norm=1.0)
             losses.append(out["loss"])
             consumed += len(batch)
