@@ -270,3 +270,16 @@ def test_tinker_dpo_convention_runs_as_dpo_at_the_backend(model, seqs) -> None:
     # without dpo_* keys importance_sampling stays Tinker's (needs logprobs/advantages)
     with pytest.raises(UserInputError, match="logprobs: required by loss_fn 'importance_sampling'"):
         be.forward_backward(name, ForwardBackwardInput(tinker, "importance_sampling", {}))
+
+
+def test_trainer_slicing_keeps_tinker_dpo_pairs_together() -> None:
+    from engine.scheduling.slicing import slice_input
+
+    data = [DatumInput([1] * 5, {}) for _ in range(4)]
+    for loss_fn, cfg, sizes in (
+        ("importance_sampling", {"dpo_beta": 0.1}, [2, 2]),
+        ("dpo", {}, [2, 2]),
+        ("importance_sampling", {}, [1, 1, 1, 1]),
+    ):
+        parts = slice_input(ForwardBackwardInput(data, loss_fn, cfg), slice_tokens=6)
+        assert [len(p.data) for p, _ in parts] == sizes, loss_fn
