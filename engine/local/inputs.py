@@ -33,7 +33,8 @@ Three formats, per datum (a list of them, or one dict, is one batch):
   indexed by row).
 
 Per-call inputs (`apply_call_inputs`), one entry per sample, as upstream's client sends them:
-``advantages`` (a float per sample, or per-token lists as below), ``old_logps`` (→ loss input
+``advantages`` (a float per sample, or a one-element list, broadcast over the trained positions;
+or per-token lists as below), ``old_logps`` (→ loss input
 ``logprobs``) and reference log-probs (→ ``ref_logprobs``). A per-token list is either the trained
 positions only (length = number of weights > 0, scattered there, 0 elsewhere) or one value per
 input position of the row as sent (length = len(input_ids)). They replace per-row values.
@@ -342,9 +343,9 @@ def apply_call_inputs(
         for name, key, values in given:
             field = f"{name}[{i}]"
             v = values[i]
-            if key == "advantages" and np.ndim(v) == 0:
+            if key == "advantages" and np.size(v) == 1:  # one value per sample: broadcast
                 try:
-                    a = float(v)
+                    a = float(np.asarray(v, dtype=np.float64).reshape(()))
                 except (TypeError, ValueError):
                     raise UserInputError(f"{field}: {v!r} must be a number") from None
                 if not np.isfinite(a):

@@ -283,3 +283,20 @@ def test_trainer_slicing_keeps_tinker_dpo_pairs_together() -> None:
     ):
         parts = slice_input(ForwardBackwardInput(data, loss_fn, cfg), slice_tokens=6)
         assert [len(p.data) for p, _ in parts] == sizes, loss_fn
+
+
+def test_per_call_inputs_with_hf_rows_and_two_phase_forward_backward(model, seqs) -> None:
+    name = adapter(model)
+    rows = [{"input_ids": s, "labels": [-100] * 3 + s[3:]} for s in seqs[2:4]]
+    lp = model.forward_only(rows, adapter_name=name, label_format="hf")["logps"]
+    assert [len(x) for x in lp] == [len(s) for s in seqs[2:4]]  # input positions
+    model.set_loss("ppo", adapter_name=name)
+    # logps of an hf pass are valid full-length old_logps of the same hf rows: ratio 1
+    fwd = model.forward(
+        rows, adapter_name=name, label_format="hf", advantages=[[2.0], -1.0], old_logps=lp
+    )
+    n = [len(s) - 3 for s in seqs[2:4]]
+    assert fwd["loss_sum"] == pytest.approx(-(2.0 * n[0] - 1.0 * n[1]), abs=1e-4)
+    back = model.backward(adapter_name=name)  # the cached batch keeps the per-call inputs
+    assert back["loss_sum"] == pytest.approx(fwd["loss_sum"], abs=1e-5)
+    assert model.step(adapter_name=name)["grad_norm"] > 0
