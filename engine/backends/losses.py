@@ -25,13 +25,19 @@ target_tokens [N], ``old`` = ``loss_fn_inputs["logprobs"]`` (sampling logprobs),
 
 Every loss also accepts ``loss_fn_config["disable_lora"]`` (forward_only only): logprobs of the base
 model, without the adapter.
+
+Upstream Twinkle's Tinker DPO convention (its cookbook ``tinker/dpo.py``; `tinker_dpo`):
+``importance_sampling`` with ``dpo_*`` keys in ``loss_fn_config`` (``dpo_beta`` default 0.1,
+``dpo_sft_weight`` default 0.0, ``dpo_loss_type`` 'sigmoid' only) and
+``loss_fn_inputs["ref_logps"]`` on every datum runs as ``dpo`` with ``ref_logprobs = ref_logps``.
+Without ``dpo_*`` keys, ``importance_sampling`` is Tinker's, unchanged.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import UserInputError
+from engine.protocol import DatumInput, ForwardBackwardInput
 
 if TYPE_CHECKING:
     from engine.backends.train_batching import Request
@@ -238,6 +245,42 @@ def parse_config(
         if cfg["sft_weight"] < 0:
             raise UserInputError(f"loss_fn_config.sft_weight: {cfg['sft_weight']} must be >= 0")
     return cfg, disable
+
+
+#: upstream's Tinker DPO keys → dpo's loss_fn_config keys (None: checked, not passed on)
+TINKER_DPO_KEYS = {"dpo_beta": "beta", "dpo_sft_weight": "sft_weight", "dpo_loss_type": None}
+
+
+def tinker_dpo(inp: ForwardBackwardInput) -> ForwardBackwardInput:
+    """``inp`` rewritten as ``dpo`` when it follows upstream's Tinker DPO convention (module doc);
+    unchanged otherwise."""
+    raw = dict(inp.loss_fn_config or {})
+    keys = sorted(k for k in raw if k.startswith("dpo_"))
+    if inp.loss_fn != "importance_sampling" or not keys:
+        return inp
+    for k in keys:
+        if k not in TINKER_DPO_KEYS:
+            raise UserInputError(
+                f"loss_fn_config.{k}: unknown key; DPO through importance_sampling accepts "
+                f"{', '.join(TINKER_DPO_KEYS)}"
+            )
+    for i, d in enumerate(inp.data):
+        if (d.loss_fn_inputs or {}).get("ref_logps") is None:
+            raise UserInputError(
+                f"loss_fn_config.{keys[0]}: DPO through importance_sampling needs "
+                f"loss_fn_inputs.ref_logps (reference log-probs) on every datum; data[{i}] has none"
+            )
+    loss_type = raw.pop("dpo_loss_type", "sigmoid")
+    if loss_type != "sigmoid":
+        raise UserInputError(
+            f"loss_fn_config.dpo_loss_type: {loss_type!r} is not supported; accepted: sigmoid"
+        )
+    config = {TINKER_DPO_KEYS.get(k) or k: v for k, v in raw.items()}
+    data = [
+        DatumInput(d.tokens, {**d.loss_fn_inputs, "ref_logprobs": d.loss_fn_inputs["ref_logps"]})
+        for d in inp.data
+    ]
+    return replace(inp, data=data, loss_fn="dpo", loss_fn_config=config)
 
 
 # ----------------------------------------------------------------------------------- metrics

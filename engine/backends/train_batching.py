@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.backends.losses import LossSpec, get_loss, parse_config
+from engine.backends.losses import LossSpec, get_loss, parse_config, tinker_dpo
 from engine.errors import UserInputError
 from engine.protocol import ForwardBackwardInput
 
@@ -136,6 +136,7 @@ def _datum(d, f: str, loss: LossSpec, vocab: int, max_positions: int) -> Datum:
 
 def validate_request(inp: ForwardBackwardInput, vocab: int, max_positions: int) -> Request:
     """Check the whole request (loss name, config, every datum) before any compute."""
+    inp = tinker_dpo(inp)
     loss = get_loss(inp.loss_fn)
     config, disable_lora = parse_config(loss, inp.loss_fn_config, bool(inp.forward_only))
     if not inp.data:

@@ -1,5 +1,5 @@
 """Per-adapter state of `engine.local.model.MultiLoraTransformersModel`: configuration, the
-accumulation window, metric accumulators, the result dict of a pass, checkpoint paths, and the
+accumulation window, metric accumulators, checkpoint paths, and the
 training-config file `save` writes next to the PEFT files."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError, UserInputError
-from engine.local.inputs import weighted_tokens
+from engine.local.inputs import Batch
 from engine.local.training_config import LrSchedule, OptimizerConfig, make_schedule
-from engine.protocol import DatumInput, ForwardBackwardOutput, LoraSpec, spec_target_modules
+from engine.protocol import LoraSpec, spec_target_modules
 
 #: written next to the PEFT files by `save` (not part of the backend's manifest)
 TRAIN_CONFIG_FILE = "twinkle_train_config.json"
@@ -69,10 +69,13 @@ class AdapterState:
     consumed_train_samples: int = 0  # as last given to save(), for resume_from_checkpoint
     template: Any = None
     processor: Any = None
-    cached: tuple[list[DatumInput], dict] | None = None  # forward's inputs, for backward
+    cached: tuple[Batch, dict] | None = None  # forward's converted inputs, for backward
     last: dict | None = None  # result of the last pass, for calculate_loss
     train: MetricAcc = field(default_factory=MetricAcc)
     eval: MetricAcc = field(default_factory=MetricAcc)
+    #: add_metric's metrics for training / evaluation passes (engine.local.metrics)
+    train_metrics: list[Any] = field(default_factory=list)
+    eval_metrics: list[Any] = field(default_factory=list)
 
     def lr(self) -> float:
         base = self.optim.lr
@@ -90,7 +93,7 @@ class AdapterState:
             "lora": {**lora, "target_modules": spec_target_modules(s)},
             "gradient_accumulation_steps": self.gas,
             "loss": {"name": self.loss[0], "loss_fn": self.loss[1], "config": dict(self.loss[2])},
-            "optimizer": {"name": "AdamW", **asdict(self.optim)},
+            "optimizer": asdict(self.optim),
             "lr_scheduler": self.schedule.describe() if self.schedule else None,
             "lr_scheduler_position": self.sched_t,
             "current_lr": self.lr(),
@@ -123,6 +126,7 @@ class AdapterState:
             (float(o["betas"][0]), float(o["betas"][1])),
             float(o["eps"]),
             float(o["weight_decay"]),
+            str(o.get("name", "AdamW")),
         )
         sched = cfg.get("lr_scheduler")
         schedule = self.schedule
@@ -153,20 +157,6 @@ def check_count(value: Any, field: str = "consumed_train_samples") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise UserInputError(f"{field} {value!r} must be an integer >= 0")
     return value
-
-
-def pass_result(out: ForwardBackwardOutput, data: list[DatumInput], loss_fn: str) -> dict:
-    """forward_backward's return value (see `engine.local.model`)."""
-    loss_sum = float(out.metrics.get("loss:sum", 0.0))
-    n_tok = weighted_tokens(data)
-    return {
-        "loss": loss_sum / n_tok if loss_fn == "cross_entropy" and n_tok > 0 else loss_sum,
-        "loss_sum": loss_sum,
-        "num_tokens": n_tok,
-        "logprobs": [o.get("logprobs") for o in out.outputs],
-        "elementwise_loss": [o.get("elementwise_loss") for o in out.outputs],
-        "metrics": dict(out.metrics),
-    }
 
 
 def checkpoint_dir(

@@ -1,6 +1,6 @@
 """In-process training API: `MultiLoraTransformersModel`, upstream Twinkle's local model class.
 
-Owns per-adapter training configuration (loss, AdamW hyper-parameters, LR schedule, gradient
+Owns per-adapter training configuration (loss, Adam(W) hyper-parameters, LR schedule, gradient
 accumulation, template/processor) on top of one `TransformersTrainingBackend`, the same engine code
 the server runs. Method names and keywords mirror upstream Twinkle, so the remote client can expose
 the same surface and a script switches between local and remote by changing an import.
@@ -13,12 +13,15 @@ Documented choices (they differ from upstream where the engine follows Tinker):
   which equals one step on the concatenated batch. Nothing is divided by k. Inside an accumulation
   window `zero_grad` and `lr_step` are no-ops (as upstream), so the usual loop
   ``forward_backward(...); clip_grad_and_step()`` works for any k.
-* forward_backward returns ``{"loss", "loss_sum", "num_tokens", "logprobs", "elementwise_loss",
-  "metrics"}``: ``loss`` is ``loss_sum / num_tokens`` (weighted-token mean) for cross_entropy and
-  ``loss_sum`` for every other loss; ``num_tokens`` is the sum of the weights.
-* HF-style datums are shifted like HF's causal-LM loss (see `engine.local.inputs`).
+* Passes return a JSON-able dict (`engine.local.passes`): ``loss`` (``loss_sum / num_tokens`` for
+  cross_entropy, ``loss_sum`` otherwise), ``loss_sum``, ``num_tokens``, per-sample ``logprobs``
+  (datum positions) and ``logps`` (input positions, upstream's name), ``elementwise_loss``,
+  ``metrics``.
+* Row labels follow the explicit ``label_format``: "rolled" (default: upstream's template already
+  rolled them) or "hf" (shifted here); see `engine.local.inputs`.
 * Losses are the backend's (cross_entropy, importance_sampling, ppo, cispo, dro, dpo); upstream
-  names map onto them, ``GRPOLoss`` onto ``ppo`` (see `engine.local.training_config.resolve_loss`).
+  names map onto them (`engine.local.training_config.resolve_loss`); metrics are an allow-list
+  (`engine.local.metrics`). Adam is AdamW with weight_decay 0 (torch's Adam defaults).
 * The backend fuses forward, loss and backward: `forward` runs without gradient and caches its
   inputs, `calculate_loss` returns that forward's loss, `backward` runs forward_backward on the
   cached inputs (a second forward pass).
@@ -39,32 +42,36 @@ from typing import Any
 
 from engine.backends.base import TrainingBackend
 from engine.errors import AdapterNotFoundError, ConfigError, UserInputError
-from engine.local.adapter_state import (
-    TRAIN_CONFIG_FILE,
-    AdapterState,
-    MetricAcc,
-    check_count,
-    checkpoint_dir,
-    pass_result,
-)
-from engine.local.inputs import to_datums
+from engine.local.adapter_state import TRAIN_CONFIG_FILE, AdapterState, MetricAcc
+from engine.local.metrics import make_metric
+from engine.local.model_checkpoints import DEFAULT_ADAPTER, CheckpointMethods
+from engine.local.passes import run_pass
 from engine.local.training_config import (
     check_clip,
     make_schedule,
     optimizer_config,
     resolve_loss,
 )
-from engine.protocol import AdamParams, ForwardBackwardInput, lora_spec_from_config
+from engine.protocol import AdamParams, lora_spec_from_config
 
-DEFAULT_ADAPTER = "default"
 __all__ = ["DEFAULT_ADAPTER", "TRAIN_CONFIG_FILE", "MultiLoraTransformersModel", "default_data_dir"]
+
+
+def _call_args(label_format, advantages, old_logps, ref_outputs, task) -> dict[str, Any]:
+    return {
+        "label_format": label_format,
+        "advantages": advantages,
+        "old_logps": old_logps,
+        "ref_outputs": ref_outputs,
+        "task": task,
+    }
 
 
 def default_data_dir() -> Path:
     return Path(os.environ.get("TWINKLE_DATA_DIR") or "./.twinkle").expanduser().absolute()
 
 
-class MultiLoraTransformersModel:
+class MultiLoraTransformersModel(CheckpointMethods):
     """Many LoRA adapters over one frozen HF causal LM, trained in process.
 
     ``model_id``: a local HF folder, or a known model name ("twinkle/tiny-chat", built under
@@ -186,44 +193,70 @@ class MultiLoraTransformersModel:
 
     # ------------------------------------------------------------------------------- passes
 
-    def _pass(self, adapter_name: str, inputs: Any, loss_kwargs: dict, mode: str) -> dict:
-        """mode: "train" (gradient, training metrics), "eval" (no gradient, evaluation metrics),
-        "forward" (no gradient, no metrics, inputs kept for `backward`); inputs may be the
-        DatumInputs `backward` cached."""
+    def _pass(self, adapter_name: str, inputs: Any, call: dict, loss_kwargs: dict, mode: str):
         st = self._st(adapter_name)
-        data = to_datums(inputs)
-        name, loss_fn, config = st.loss
-        if loss_kwargs:
-            config = {**config, **resolve_loss(name, loss_kwargs)[2]}
-        inp = ForwardBackwardInput(data, loss_fn, config, forward_only=mode != "train")
-        res = pass_result(self.backend.forward_backward(adapter_name, inp), data, loss_fn)
-        st.last, st.cached = res, (data, loss_kwargs) if mode != "train" else None
-        if mode == "train":
-            st.pending_grad = True
-            st.train.record(res, len(data))
-        elif mode == "eval":
-            st.eval.record(res, len(data))
-        return res
+        return run_pass(self.backend, st, adapter_name, inputs, call, loss_kwargs, mode)
 
     def forward_backward(
-        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+        self,
+        inputs: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        label_format: str = "rolled",
+        advantages: Any = None,
+        old_logps: Any = None,
+        ref_outputs: Any = None,
+        task: str | None = None,
+        **loss_kwargs,
     ) -> dict[str, Any]:
         """Loss and gradient (added to the adapter's accumulated gradient) for one batch.
-        ``loss_kwargs`` override the set_loss config for this call only."""
-        return self._pass(adapter_name, inputs, loss_kwargs, "train")
+
+        ``label_format``: how row labels line up with input_ids ("rolled", upstream's template;
+        "hf": shifted by one, see `engine.local.inputs`). Per sample: ``advantages`` (a float, or
+        per-token), ``old_logps`` (the sampler's log-probs of the trained positions, or one per
+        input position), ``ref_outputs`` (a forward_only result: its ``logps`` are the DPO
+        reference). ``task``: None only ('embedding' is not supported yet). ``loss_kwargs``
+        override the set_loss config for this call only. Result: see `engine.local.passes`."""
+        call = _call_args(label_format, advantages, old_logps, ref_outputs, task)
+        return self._pass(adapter_name, inputs, call, loss_kwargs, "train")
 
     def forward_only(
-        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+        self,
+        inputs: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        label_format: str = "rolled",
+        advantages: Any = None,
+        old_logps: Any = None,
+        ref_outputs: Any = None,
+        task: str | None = None,
+        disable_lora: bool = False,
+        **loss_kwargs,
     ) -> dict[str, Any]:
-        """Loss and log-probs without gradient; counted in the evaluation metrics."""
-        return self._pass(adapter_name, inputs, loss_kwargs, "eval")
+        """Loss and log-probs without gradient; counted in the evaluation metrics. Arguments as
+        forward_backward; ``disable_lora``: the base model's log-probs (DPO reference)."""
+        call = _call_args(label_format, advantages, old_logps, ref_outputs, task)
+        if disable_lora:
+            loss_kwargs = {**loss_kwargs, "disable_lora": True}
+        return self._pass(adapter_name, inputs, call, loss_kwargs, "eval")
 
     def forward(
-        self, inputs: Any, *, adapter_name: str = DEFAULT_ADAPTER, **loss_kwargs
+        self,
+        inputs: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        label_format: str = "rolled",
+        advantages: Any = None,
+        old_logps: Any = None,
+        ref_outputs: Any = None,
+        task: str | None = None,
+        **loss_kwargs,
     ) -> dict[str, Any]:
         """First half of the two-phase style: a no-gradient pass whose inputs `backward` reuses.
-        Not counted in any metrics (the `backward` that follows is)."""
-        return self._pass(adapter_name, inputs, loss_kwargs, "forward")
+        Not counted in any metrics (the `backward` that follows is). Arguments as
+        forward_backward."""
+        call = _call_args(label_format, advantages, old_logps, ref_outputs, task)
+        return self._pass(adapter_name, inputs, call, loss_kwargs, "forward")
 
     def calculate_loss(self, *, adapter_name: str = DEFAULT_ADAPTER) -> float:
         """The ``loss`` of the last forward / forward_only / forward_backward (no computation)."""
@@ -237,8 +270,8 @@ class MultiLoraTransformersModel:
         st = self._st(adapter_name)
         if st.cached is None:
             raise UserInputError("backward: call forward first (each forward allows one backward)")
-        data, loss_kwargs = st.cached
-        return self._pass(adapter_name, data, loss_kwargs, "train")
+        batch, loss_kwargs = st.cached
+        return self._pass(adapter_name, batch, {}, loss_kwargs, "train")
 
     # ------------------------------------------------------------------------------- optimizer
 
@@ -314,13 +347,32 @@ class MultiLoraTransformersModel:
         self.lr_step(adapter_name=adapter_name)
         return norm
 
+    def add_metric(
+        self,
+        metric_cls: Any,
+        *,
+        adapter_name: str = DEFAULT_ADAPTER,
+        is_training: bool | None = None,
+        **kwargs,
+    ) -> None:
+        """Add a metric (`engine.local.metrics`: DPOMetric(beta); LossMetric / TrainMetric add
+        nothing) to the training passes (``is_training`` True), the evaluation passes (False) or
+        both (None); calculate_metric reports it."""
+        st = self._st(adapter_name)
+        for training in (True, False):
+            if is_training is None or bool(is_training) == training:
+                metric = make_metric(metric_cls, kwargs)
+                if metric is not None:
+                    (st.train_metrics if training else st.eval_metrics).append(metric)
+
     def calculate_metric(
         self, is_training: bool = True, *, adapter_name: str = DEFAULT_ADAPTER
     ) -> dict[str, float | None]:
         """Metrics since the last call for training (forward_backward/backward) or evaluation
         (forward_only) passes, then reset: loss (weighted-token mean for cross_entropy, mean per
         batch otherwise), loss_sum, num_tokens, num_sequences, num_batches, grad_norm (mean over
-        applied steps, None if none), lr (current), step (applied optimizer steps)."""
+        applied steps, None if none), lr (current), step (applied optimizer steps), and the
+        figures of the metrics added with `add_metric`."""
         st = self._st(adapter_name)
         acc = st.train if is_training else st.eval
         out = {
@@ -328,82 +380,10 @@ class MultiLoraTransformersModel:
             "lr": st.lr(),
             "step": st.opt_steps,
         }
+        for metric in st.train_metrics if is_training else st.eval_metrics:
+            out.update(metric.summary())
         if is_training:
             st.train = MetricAcc()
         else:
             st.eval = MetricAcc()
         return out
-
-    # ------------------------------------------------------------------------------- checkpoints
-
-    def save(
-        self,
-        name: str,
-        output_dir: str | os.PathLike | None = None,
-        *,
-        adapter_name: str = DEFAULT_ADAPTER,
-        save_optimizer: bool = False,
-        consumed_train_samples: int | None = None,
-        is_sampler: bool = False,
-    ) -> str:
-        """Write a PEFT-format checkpoint to ``output_dir/name`` (default
-        ``<data_dir>/local_checkpoints/<adapter>/<name>``; it must not exist) plus the training
-        config (loss, optimizer, schedule position, ``consumed_train_samples`` for
-        `resume_from_checkpoint`). ``is_sampler``: weights for sampling only (no optimizer).
-        Pending accumulated gradients are not saved. Returns the directory."""
-        st = self._st(adapter_name)
-        if consumed_train_samples is not None:
-            st.consumed_train_samples = check_count(consumed_train_samples)
-        target = checkpoint_dir(self.data_dir, name, output_dir, adapter_name)
-        with_optimizer = bool(save_optimizer) and not is_sampler
-        self.backend.save_state(adapter_name, str(target), include_optimizer=with_optimizer)
-        st.write_train_config(target)
-        return str(target)
-
-    def resume_from_checkpoint(
-        self,
-        name: str,
-        output_dir: str | os.PathLike | None = None,
-        *,
-        adapter_name: str = DEFAULT_ADAPTER,
-        resume_only_model: bool = False,
-    ) -> dict[str, Any]:
-        """`load` with the optimizer (weights only if ``resume_only_model``); returns where
-        training stands: ``cur_step`` (applied optimizer steps), ``consumed_train_samples`` (as
-        given to `save`, for the data loader to skip), ``lr_scheduler_position``."""
-        target = self.load(
-            name, output_dir, adapter_name=adapter_name, load_optimizer=not resume_only_model
-        )
-        st = self._st(adapter_name)
-        return {
-            "checkpoint": target,
-            "cur_step": st.opt_steps,
-            "consumed_train_samples": st.consumed_train_samples,
-            "lr_scheduler_position": st.sched_t,
-        }
-
-    def load(
-        self,
-        name: str,
-        output_dir: str | os.PathLike | None = None,
-        *,
-        adapter_name: str = DEFAULT_ADAPTER,
-        load_optimizer: bool = False,
-    ) -> str:
-        """Load a checkpoint written by `save` (or by the server) into ``adapter_name``, creating
-        it if absent. With ``load_optimizer`` the AdamW state, optimizer settings, loss, gradient
-        accumulation and schedule position are restored (a callable schedule is not saved: the
-        current one is kept); without it only the weights are, and the schedule restarts."""
-        target = checkpoint_dir(self.data_dir, name, output_dir, adapter_name, loading=True)
-        spec = self.backend.load_state(
-            adapter_name, str(target), include_optimizer=bool(load_optimizer)
-        )
-        st = self._adapters.get(adapter_name)
-        if st is None:
-            st = self._adapters[adapter_name] = AdapterState(spec=spec)
-        st.spec = spec
-        st.reset_window()
-        st.sched_t = st.opt_steps = 0
-        if load_optimizer:
-            st.read_train_config(target)
-        return str(target)

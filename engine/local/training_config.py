@@ -57,24 +57,52 @@ def _norm(name: str) -> str:
     return name.lower().replace("_", "").replace("-", "")
 
 
+#: upstream Twinkle names we know but cannot run yet (a clear error instead of "unknown")
+_NOT_YET = {"infonceloss": "InfonceLoss (embedding training, task='embedding')"}
+#: loss_fn_config keys the local model consumes itself (never sent to the backend)
+LOCAL_LOSS_KEYS = ("reference_free",)
+DPO_LOSS_TYPES = ("sigmoid",)
+
+
+def _pop_fixed(kw: dict, cls: str, key: str, allowed: Any, why: str) -> None:
+    """Accept an upstream argument only at the value our loss implements."""
+    if key in kw:
+        value = kw.pop(key)
+        if value != allowed and not (value is None and allowed is None):
+            raise UserInputError(f"{cls}: {key} {value!r} is not supported ({why})")
+
+
+def _flag_value(cls: str, key: str, value: Any) -> bool:
+    if isinstance(value, bool) or value in (0, 1):
+        return bool(value)
+    raise UserInputError(f"{cls}: {key} {value!r} must be true or false")
+
+
+def _loss_name(loss: Any) -> str:
+    if isinstance(loss, str):
+        return loss
+    if isinstance(loss, type) or inspect.isfunction(loss) or inspect.ismethod(loss):
+        return loss.__name__  # a custom loss function: refused unless named like ours
+    return type(loss).__name__
+
+
 def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[str, float | str]]:
     """(name as given, backend loss_fn, loss_fn_config) for a loss name, class or instance.
 
-    ``GRPOLoss`` maps to Tinker's ``ppo`` (clipped importance-ratio surrogate): the group-relative
-    advantages are computed client-side and passed per datum as ``advantages``, the sampler's
-    log-probs as ``logprobs``. Its ``epsilon`` / ``epsilon_high`` become ``clip_low_threshold =
-    1 - epsilon`` / ``clip_high_threshold = 1 + epsilon_high`` (ratio bounds); a KL term (``beta``
-    other than 0) is not available and is refused.
+    Only names are read (an allow-list; nothing is imported or instantiated). ``GRPOLoss`` maps to
+    Tinker's ``ppo`` (clipped importance-ratio surrogate): the group-relative advantages are
+    computed client-side and passed as ``advantages``, the sampler's log-probs as ``logprobs`` /
+    ``old_logps``. Its ``epsilon`` / ``epsilon_high`` become ``clip_low_threshold = 1 - epsilon``
+    / ``clip_high_threshold = 1 + epsilon_high`` (ratio bounds); a KL term (``beta`` other than
+    0) and an entropy bonus are not available and are refused. ``DPOLoss(beta, loss_type,
+    reference_free, sft_weight)`` maps to ``dpo``: only ``loss_type='sigmoid'``;
+    ``reference_free`` makes the reference log-probs 0 (applied by the model, not the backend).
     """
-    if isinstance(loss, str):
-        name = loss
-    elif isinstance(loss, type):
-        name = loss.__name__
-    elif inspect.isfunction(loss) or inspect.ismethod(loss):
-        name = loss.__name__  # a custom loss function: refused below unless named like ours
-    else:
-        name = type(loss).__name__
-    loss_fn = _LOSSES.get(_norm(name))
+    name = _loss_name(loss)
+    norm = _norm(name)
+    if norm in _NOT_YET:
+        raise UserInputError(f"loss {name!r}: {_NOT_YET[norm]} is not supported yet")
+    loss_fn = _LOSSES.get(norm)
     if loss_fn is None:
         raise UserInputError(
             f"unknown loss {name!r}; accepted: {', '.join(ACCEPTED_LOSS_NAMES)} "
@@ -82,16 +110,32 @@ def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[s
         )
     config: dict[str, float | str] = {}
     kw = dict(kwargs)
-    if _norm(name).startswith("grpo"):
+    _pop_fixed(kw, name, "ignore_index", -100, "labels use -100 for ignored positions")
+    if norm.startswith("grpo"):
         beta = kw.pop("beta", 0.0)
         if beta:
             raise UserInputError(f"GRPOLoss: beta {beta!r} (KL penalty) is not supported; use 0")
+        _pop_fixed(kw, name, "entropy_coef", 0.0, "no entropy bonus; use 0")
         if "epsilon" in kw:
             eps = float(kw.pop("epsilon"))
+            high = kw.pop("epsilon_high", None)
             config["clip_low_threshold"] = 1.0 - eps
-            config["clip_high_threshold"] = 1.0 + float(kw.pop("epsilon_high", eps))
-        elif "epsilon_high" in kw:
+            config["clip_high_threshold"] = 1.0 + float(eps if high is None else high)
+        elif kw.get("epsilon_high") is not None:
             config["clip_high_threshold"] = 1.0 + float(kw.pop("epsilon_high"))
+        kw.pop("epsilon_high", None)
+    if loss_fn == "dpo":
+        loss_type = kw.pop("loss_type", "sigmoid")
+        if loss_type not in DPO_LOSS_TYPES:
+            raise UserInputError(
+                f"{name}: loss_type {loss_type!r} is not supported; accepted: "
+                f"{', '.join(DPO_LOSS_TYPES)}"
+            )
+        _pop_fixed(kw, name, "label_smoothing", 0.0, "use 0")
+        if _flag_value(name, "reference_free", kw.pop("reference_free", False)):
+            config["reference_free"] = 1.0
+    if loss_fn == "cross_entropy":
+        _pop_fixed(kw, name, "reduction", "sum", "losses are sums over weighted tokens")
     for key, value in kw.items():
         if isinstance(value, bool):
             value = float(value)
@@ -112,13 +156,22 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-12
     weight_decay: float = 0.0
+    name: str = "AdamW"
+
+
+#: accepted optimizer names → their defaults (lr is always DEFAULT_LR). Adam is AdamW with
+#: weight_decay 0 (no decay term at all, so the two are the same update), with torch's defaults.
+OPTIMIZERS = {
+    "adamw": OptimizerConfig(),
+    "adam": OptimizerConfig(betas=(0.9, 0.999), eps=1e-8, name="Adam"),
+}
 
 
 def optimizer_config(
     optimizer: Any, lr: Any, betas: Any, eps: Any, weight_decay: Any, extra: Mapping[str, Any]
 ) -> OptimizerConfig:
-    """Validate set_optimizer's arguments. Only AdamW: a name, the class, or an instance (whose
-    ``defaults`` supply the hyper-parameters not passed explicitly)."""
+    """Validate set_optimizer's arguments: AdamW or Adam, as a name, the class, or an instance
+    (whose ``defaults`` supply the hyper-parameters not passed explicitly)."""
     if isinstance(optimizer, str):
         name = optimizer
     elif isinstance(optimizer, type):
@@ -130,12 +183,17 @@ def optimizer_config(
         betas = defaults.get("betas", betas) if betas is None else betas
         eps = defaults.get("eps", eps) if eps is None else eps
         weight_decay = defaults.get("weight_decay") if weight_decay is None else weight_decay
-    if name.lower() != "adamw":
-        raise UserInputError(f"unsupported optimizer {name!r}; only 'AdamW' is available")
+    d = OPTIMIZERS.get(name.lower())
+    if d is None:
+        raise UserInputError(f"unsupported optimizer {name!r}; accepted: AdamW, Adam")
+    if d.name == "Adam" and weight_decay not in (None, 0, 0.0):
+        raise UserInputError(
+            f"set_optimizer: weight_decay {weight_decay!r} with Adam (coupled L2 penalty) is not "
+            "available; use weight_decay=0, or 'AdamW' for decoupled weight decay"
+        )
     bad = sorted(set(extra) - _IGNORED_OPTIM_KW)
     if bad:
         raise UserInputError(f"set_optimizer: unsupported argument(s) {', '.join(bad)}")
-    d = OptimizerConfig()
     cfg = OptimizerConfig(
         lr=d.lr if lr is None else lr,
         betas=d.betas if betas is None else betas,
@@ -161,7 +219,7 @@ def optimizer_config(
             or not ok(v)
         ):
             raise UserInputError(f"set_optimizer: {fname} {v!r} must be a finite number {rule}")
-    return OptimizerConfig(float(cfg.lr), (b1, b2), float(cfg.eps), float(cfg.weight_decay))
+    return OptimizerConfig(float(cfg.lr), (b1, b2), float(cfg.eps), float(cfg.weight_decay), d.name)
 
 
 def check_clip(max_grad_norm: Any, norm_type: Any) -> float:

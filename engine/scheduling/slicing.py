@@ -14,6 +14,16 @@ from engine.protocol import ForwardBackwardInput, ForwardBackwardOutput
 PAIRED_LOSSES = {"dpo"}
 
 
+def is_paired(inp: ForwardBackwardInput) -> bool:
+    """Datums come in (chosen, rejected) pairs: ``dpo``, and upstream's Tinker DPO convention
+    (``importance_sampling`` with ``dpo_*`` loss_fn_config keys, which the backend runs as dpo:
+    engine/backends/losses.py ``tinker_dpo``)."""
+    if inp.loss_fn in PAIRED_LOSSES:
+        return True
+    keys = inp.loss_fn_config or {}
+    return inp.loss_fn == "importance_sampling" and any(str(k).startswith("dpo_") for k in keys)
+
+
 def datum_tokens(inp: ForwardBackwardInput) -> list[int]:
     return [max(len(d.tokens), 1) for d in inp.data]
 
@@ -27,7 +37,7 @@ def slice_input(
     total = sum(sizes)
     if total <= slice_tokens or len(inp.data) <= 1:
         return [(inp, total)]
-    step = 2 if inp.loss_fn in PAIRED_LOSSES else 1
+    step = 2 if is_paired(inp) else 1
     parts: list[tuple[ForwardBackwardInput, int]] = []
     start, cost = 0, 0
     for i in range(0, len(inp.data), step):

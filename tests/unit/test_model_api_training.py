@@ -40,12 +40,12 @@ def test_sft_cross_entropy_halves_loss_in_20_steps(tiny_model_dir: Path, seqs) -
     batch = [hf(s, prompt_len=3) for s in seqs]
     first = None
     for _ in range(20):
-        out = m.forward_backward(batch)
+        out = m.forward_backward(batch, label_format="hf")
         first = out["loss"] if first is None else first
         assert out["num_tokens"] == sum(len(s) - 1 - 2 for s in seqs)  # 3 ignored → 2 fewer targets
         assert out["loss"] == pytest.approx(out["loss_sum"] / out["num_tokens"])
         assert m.clip_grad_and_step(max_grad_norm=1.0) > 0
-    final = m.forward_only(batch)["loss"]
+    final = m.forward_only(batch, label_format="hf")["loss"]
     assert final <= 0.5 * first, (first, final)
     metrics = m.calculate_metric(is_training=True)
     assert metrics["step"] == 20 and metrics["num_batches"] == 20 and metrics["lr"] == 1e-2
@@ -76,7 +76,9 @@ def test_two_adapters_train_independently(tiny_model_dir: Path, seqs) -> None:
         setup(m, name)
         losses = []
         for _ in range(4):
-            losses.append(m.forward_backward(data[name], adapter_name=name)["loss_sum"])
+            losses.append(
+                m.forward_backward(data[name], adapter_name=name, label_format="hf")["loss_sum"]
+            )
             m.clip_grad_and_step(adapter_name=name)
         return losses, params(m, name)
 
@@ -86,8 +88,12 @@ def test_two_adapters_train_independently(tiny_model_dir: Path, seqs) -> None:
         setup(m, name)
     mixed = {"a": [], "b": []}
     for _ in range(4):
-        mixed["a"].append(m.forward_backward(data["a"], adapter_name="a")["loss_sum"])
-        mixed["b"].append(m.forward_backward(data["b"], adapter_name="b")["loss_sum"])
+        mixed["a"].append(
+            m.forward_backward(data["a"], adapter_name="a", label_format="hf")["loss_sum"]
+        )
+        mixed["b"].append(
+            m.forward_backward(data["b"], adapter_name="b", label_format="hf")["loss_sum"]
+        )
         m.clip_grad_and_step(adapter_name="a")  # steps a while b holds a pending gradient
         m.clip_grad_and_step(adapter_name="b")
     for name in configs:
@@ -113,24 +119,24 @@ def test_gradient_accumulation_of_half_batches_equals_full_batch(
     batch = [hf(s, 2) for s in seqs]
     for _ in range(2):  # two optimizer steps, so the second runs on non-zero B as well
         before = params(m, "acc")
-        m.forward_backward(batch[:2], adapter_name="acc")
+        m.forward_backward(batch[:2], adapter_name="acc", label_format="hf")
         # upstream loop: clip_grad_and_step after every micro-batch; inside the window it only
         # counts (no step, zero_grad and lr_step are no-ops), so the gradient survives
         m.clip_grad_and_step(max_grad_norm=0.5, adapter_name="acc")
         assert_params_close(params(m, "acc"), before, atol=0)
         assert m.get_train_configs(adapter_name="acc")["lr_scheduler_position"] == _ + 0
-        m.forward_backward(batch[2:], adapter_name="acc")
+        m.forward_backward(batch[2:], adapter_name="acc", label_format="hf")
         m.clip_grad_and_step(max_grad_norm=0.5, adapter_name="acc")
-        m.forward_backward(batch, adapter_name="full")
+        m.forward_backward(batch, adapter_name="full", label_format="hf")
         m.clip_grad_and_step(max_grad_norm=0.5, adapter_name="full")
         assert_params_close(params(m, "acc"), params(m, "full"))
     for name in ("acc", "full"):
         cfg = m.get_train_configs(adapter_name=name)
         assert cfg["optimizer_steps"] == 2 and cfg["lr_scheduler_position"] == 2
     # plain step(): only every second call applies the optimizer
-    m.forward_backward(batch[:2], adapter_name="acc")
+    m.forward_backward(batch[:2], adapter_name="acc", label_format="hf")
     assert m.step(adapter_name="acc") is None
-    m.forward_backward(batch[2:], adapter_name="acc")
+    m.forward_backward(batch[2:], adapter_name="acc", label_format="hf")
     assert m.step(adapter_name="acc")["step"] == 3
 
 
@@ -138,13 +144,13 @@ def test_zero_grad_drops_the_accumulated_gradient(tiny_model_dir: Path, seqs) ->
     m = new_model(tiny_model_dir)
     m.add_adapter_to_model("x", LORA)
     m.add_adapter_to_model("y", LORA)
-    m.forward_backward([hf(seqs[0])], adapter_name="x")  # dropped below
+    m.forward_backward([hf(seqs[0])], adapter_name="x", label_format="hf")  # dropped below
     m.zero_grad(adapter_name="x")
     assert m.clip_grad_norm(adapter_name="x") == 0.0
     with pytest.raises(UserInputError, match="no gradient"):
         m.step(adapter_name="x")
     for name in ("x", "y"):
-        m.forward_backward([hf(seqs[1])], adapter_name=name)
+        m.forward_backward([hf(seqs[1])], adapter_name=name, label_format="hf")
         m.step(adapter_name=name)
     assert_params_close(params(m, "x"), params(m, "y"))
 
@@ -154,12 +160,12 @@ def test_two_phase_forward_calculate_loss_backward(tiny_model_dir: Path, seqs) -
     m.add_adapter_to_model("p", LORA)
     m.add_adapter_to_model("q", LORA)
     batch = [hf(s, 1) for s in seqs[:2]]
-    fwd = m.forward(batch, adapter_name="p")
+    fwd = m.forward(batch, adapter_name="p", label_format="hf")
     loss = m.calculate_loss(adapter_name="p")
     m.backward(adapter_name="p")
     with pytest.raises(UserInputError, match="call forward first"):
         m.backward(adapter_name="p")
-    ref = m.forward_backward(batch, adapter_name="q")
+    ref = m.forward_backward(batch, adapter_name="q", label_format="hf")
     assert loss == fwd["loss"] == pytest.approx(ref["loss"], abs=1e-6)
     m.step(adapter_name="p")
     m.step(adapter_name="q")
@@ -177,7 +183,7 @@ def test_linear_scheduler_sets_the_lr_of_each_step(tiny_model_dir: Path, seqs) -
     for i, lr in enumerate(expected):
         assert m.get_train_configs()["current_lr"] == pytest.approx(lr, abs=1e-15)
         before = params(m)
-        m.forward_backward([hf(seqs[0])])
+        m.forward_backward([hf(seqs[0])], label_format="hf")
         out = m.step()
         seen.append(out["learning_rate"])
         if lr == 0.0:  # weight decay 0 and lr 0: AdamW leaves the weights alone
@@ -209,7 +215,7 @@ def test_save_load_with_optimizer_continues_exact_trajectory(
     def train(m, n, name="default"):
         out = []
         for _ in range(n):
-            out.append(m.forward_backward(batch, adapter_name=name)["loss"])
+            out.append(m.forward_backward(batch, adapter_name=name, label_format="hf")["loss"])
             m.clip_grad_and_step(max_grad_norm=1.0, adapter_name=name)
         return out
 
