@@ -22,8 +22,8 @@ MICRO_STEPS, SAVE_AFTER, GAS, MICRO_BATCH = 8, 4, 2, 2
 
 def hf_data(model_dir) -> list[dict]:
     """TEXTS as HF-style features (first 3 labels ignored), tokenized with the model's own
-    tokenizer.json (the `tokenizers` library, no torch). For the remote class (rolled labels by
-    default on upstream's protocol) pass `roll` of them."""
+    tokenizer.json (the `tokenizers` library, no torch). The model classes take rolled labels
+    by default (upstream's convention): pass `roll` of them."""
     from pathlib import Path
 
     from tokenizers import Tokenizer
@@ -38,8 +38,9 @@ def hf_data(model_dir) -> list[dict]:
 
 def roll(rows: list[dict]) -> list[dict]:
     """HF-style rows (``labels[i]`` is the token at ``i``; the model shifts) → upstream's ROLLED
-    labels (``labels[i]`` is the target of ``input_ids[i]``, the last -100), what upstream's
-    protocol sends by default. The engine's in-process class takes HF-style rows."""
+    labels (``labels[i]`` is the target of ``input_ids[i]``, the last -100): what upstream's
+    templates write, and what the engine's class (in process and remote) takes by default;
+    HF-style rows need ``label_format="hf"``."""
     return [dict(r, labels=list(r["labels"][1:]) + [-100]) for r in rows]
 
 

@@ -44,7 +44,7 @@ _CLASS_ARG = {
     "set_lr_scheduler": ("scheduler_cls", "scheduler"),
     "set_template": ("template_cls", "template"),
     "set_processor": ("processor_cls", "processor"),
-    "add_metric": ("metric_cls", "metric"),
+    "add_metric": ("metric_cls", "metric_cls"),
 }
 #: methods whose upstream answer is ``{"result": ...}``; the rest answer ``{"status": "ok"}``
 _RESULT_METHODS = {

@@ -197,6 +197,7 @@ async def sample(
         plp = out.prompt_logprobs
         samples.append(
             {
+                "prompt_tokens": prompt,  # ours, beyond upstream's fields
                 "sequences": seqs,
                 "prompt_logprobs": [finite(float(x)) for x in plp] if plp is not None else None,
                 "topk_prompt_logprobs": None,

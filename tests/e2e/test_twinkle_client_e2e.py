@@ -39,7 +39,7 @@ def tw(server, api_key):
 
 def test_same_script_in_process_and_remote(server, tw, tmp_path):
     model_dir = server.data_dir / "models" / "tiny-chat"  # built by the server; same recipe
-    data = hf_data(model_dir)
+    data = roll(hf_data(model_dir))  # upstream's rows: rolled labels, in process too
     local = sft_script(LocalModel, str(model_dir), data, data_dir=tmp_path)
     # the client from init_twinkle_client; upstream's protocol takes rolled labels
     remote = sft_script(RemoteModel, BASE, roll(data))

@@ -8,6 +8,7 @@ input that name the problem.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -59,9 +60,9 @@ def alice(env):
 
 
 def test_same_script_in_process_and_remote_gives_equal_losses(env, alice, tmp_path):
-    data = hf_data(env["model_dir"])
+    data = roll(hf_data(env["model_dir"]))  # upstream's rows: rolled labels, in process too
     local = sft_script(LocalModel, str(env["model_dir"]), data, data_dir=tmp_path)
-    remote = sft_script(RemoteModel, BASE, roll(data), client=alice)  # rolled: upstream's rows
+    remote = sft_script(RemoteModel, BASE, data, client=alice)
     assert len(local["losses"]) == len(remote["losses"]) == 8
     np.testing.assert_allclose(remote["losses"], local["losses"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(remote["resumed"], local["resumed"], rtol=0, atol=1e-5)
@@ -116,8 +117,9 @@ def test_sampling_returns_tokens_logprobs_text_and_features(alice, env):
     prompt_tokens = res.model_dump()["prompt_tokens"]  # ours, beyond upstream's fields
     n = len(prompt_tokens)
     assert f["input_ids"] == prompt_tokens + a.tokens
-    assert f["labels"][:n] == [-100] * n and f["labels"][n:] == a.tokens
-    assert f["logprobs"][n:] == a.token_logprobs
+    # rolled as upstream's templates write them: position i's target is input_ids[i + 1]
+    assert f["labels"][: n - 1] == [-100] * (n - 1) and f["labels"][n - 1 : -1] == a.tokens
+    assert f["labels"][-1] == -100 and f["length"] == n + len(a.tokens)
     # an encoded feature samples the same as its trajectory
     (again,) = s.sample([{"input_ids": prompt_tokens}], {"max_tokens": 5, "temperature": 0.0})
     assert again.sequences[0].tokens == a.tokens
@@ -160,19 +162,22 @@ def test_management_calls_and_heartbeats(env):
 
 def test_other_users_resources_are_404(env, alice):
     m = RemoteModel(BASE, client=alice)
-    m.add_adapter_to_model("default", {"r": 4, "target_modules": "all-linear"})
+    m.add_adapter_to_model("owned", {"r": 4, "target_modules": "all-linear"})
     path = m.save("mine", is_sampler=True).twinkle_path
     bob = env["client"]("bob")
-    stolen = RemoteModel(BASE, client=bob)
-    stolen.remote_id = m.remote_id  # bob guesses alice's model id
-    with pytest.raises(twinkle_client.NotFoundError, match="model_id"):
-        stolen.get_train_configs()
+    # bob sends alice's session id (the handle of her model): 404 naming the session
+    bob._http.headers["X-Twinkle-Session-Id"] = alice.session_id
+    with pytest.raises(twinkle_client.NotFoundError, match="session"):
+        RemoteModel(BASE, client=bob)
+    bob._http.headers["X-Twinkle-Session-Id"] = bob.session_id
     with pytest.raises(twinkle_client.NotFoundError, match="checkpoint"):
         bob.get_checkpoint(path)
     with pytest.raises(twinkle_client.NotFoundError):
         bob.delete_checkpoint(path)
-    own = RemoteModel(BASE, client=bob)
-    own.add_adapter_to_model("default", {"r": 4})
+    own = RemoteModel(BASE, client=bob)  # bob's model in his session has no alice adapter
+    with pytest.raises(twinkle_client.NotFoundError, match="owned"):
+        own.get_train_configs(adapter_name="owned")
+    own.add_adapter_to_model("owned", {"r": 4})  # bob's own adapter of that name
     with pytest.raises(twinkle_client.NotFoundError, match="checkpoint"):
         own.load(path)
     with pytest.raises(twinkle_client.NotFoundError, match="adapter_uri"):
@@ -181,30 +186,26 @@ def test_other_users_resources_are_404(env, alice):
     with pytest.raises(twinkle_client.NotFoundError):
         bob.list_checkpoints(run_id)
     with pytest.raises(twinkle_client.NotFoundError, match="session"):
-        bob.post("twinkle/model/create", {"session_id": alice.session_id, "base_model": BASE})
-    with pytest.raises(twinkle_client.NotFoundError, match="session"):
         bob.post("twinkle/session_heartbeat", {"session_id": alice.session_id})
     # alice removes and re-adds her adapter: the run and its checkpoints carry on
     m.remove_adapter()
-    m.add_adapter_to_model("default", {"r": 8})
-    assert m.get_train_configs()["lora"]["r"] == 8
+    m.add_adapter_to_model("owned", {"r": 8})
+    assert json.loads(m.get_train_configs().result)["lora"]["r"] == 8
     assert [c.twinkle_path for c in alice.list_checkpoints(run_id)] == [path]
     alice.delete_checkpoint(path)
     with pytest.raises(twinkle_client.NotFoundError):
         alice.get_checkpoint(path)
-    with pytest.raises(twinkle_client.NotFoundError, match="model_id"):
-        stolen.close()
-    m.close()  # frees the adapters; the model is gone, its run stays listed
-    with pytest.raises(twinkle_client.NotFoundError, match="model_id"):
-        m.get_train_configs()
+    m.close()  # frees the adapters; the run stays listed
+    with pytest.raises(twinkle_client.NotFoundError, match="owned"):
+        m.get_train_configs(adapter_name="owned")
     assert any(r.training_run_id == run_id for r in alice.list_training_runs(limit=1000))
 
 
 def test_bad_input_is_4xx_naming_the_problem(env, alice):
     m = RemoteModel(BASE, client=alice)
     with pytest.raises(twinkle_client.InvalidRequestError, match="target_modules"):
-        m.add_adapter_to_model("default", {"r": 4, "target_modules": ["embed_tokens"]})
-    m.add_adapter_to_model("default", {"r": 4})
+        m.add_adapter_to_model("bad", {"r": 4, "target_modules": ["embed_tokens"]})
+    m.add_adapter_to_model("checks", {"r": 4})
     cases = [
         (lambda: m.set_loss("FancyLoss"), "unknown loss 'FancyLoss'"),
         (lambda: m.set_template("NoSuchTemplate"), "unknown template 'NoSuchTemplate'"),
@@ -213,11 +214,13 @@ def test_bad_input_is_4xx_naming_the_problem(env, alice):
         (lambda: m.forward_backward([{"foo": 1}]), "inputs\\[0\\]"),
         (lambda: m.forward_backward([{"input_ids": [1, 2], "labels": [1]}]), "labels"),
         (lambda: m.forward_backward([{"input_ids": [5, 10**9]}]), "vocab"),
+        (lambda: m.forward_backward([{"input_ids": [5, 6]}], bogus=1), "bogus"),
+        (lambda: m.calculate_metric(bogus=1), "bogus"),
         (lambda: m.set_optimizer("SGD"), "accepted: AdamW, Adam"),
         (lambda: m.step(), "no gradient"),
         (lambda: m.save("../x"), "name"),
         (lambda: m.load("never-saved"), "not found"),
-        (lambda: m.add_adapter_to_model("default", {"r": 4}), "exists already"),
+        (lambda: m.add_adapter_to_model("checks", {"r": 4}), "exists already"),
         (lambda: m.set_lr_scheduler("cosine"), "total_steps"),
         (lambda: vLLMSampler(BASE, client=alice).set_template("Nope"), "unknown template"),
         (
@@ -231,19 +234,11 @@ def test_bad_input_is_4xx_naming_the_problem(env, alice):
             (twinkle_client.InvalidRequestError, twinkle_client.NotFoundError), match=pattern
         ):
             call()
-    # wrong argument names are refused by the engine class's own signature
-    r = alice.request  # raw call with an unknown kwarg and an unknown method
-    with pytest.raises(twinkle_client.InvalidRequestError, match="calculate_metric"):
-        r(
-            "POST",
-            "twinkle/model/calculate_metric",
-            json={"model_id": m.remote_id, "kwargs": {"bogus": 1}},
-        )
     with pytest.raises(twinkle_client.NotFoundError, match="not a model method"):
-        r("POST", "twinkle/model/__init__", json={"model_id": m.remote_id})
+        alice.post(f"model/{BASE}/twinkle/__init__", {"adapter_name": "checks"})
     # the server keeps serving after all that
-    out = m.forward_backward([{"input_ids": [5, 6, 7, 8]}], label_format="hf")
-    assert np.isfinite(out["loss"]) and out["logprobs"][0].shape == (3,)
+    out = m.forward_backward([{"input_ids": [5, 6, 7, 8]}], label_format="hf").result
+    assert np.isfinite(out["loss"]) and len(out["logprobs"][0]) == 3
 
 
 def test_templates_encode_through_the_server(env, alice):
@@ -266,8 +261,12 @@ def test_templates_encode_through_the_server(env, alice):
         "<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\nI am Twinkle.<|im_end|>\n"
     )
     assert f["input_ids"] == tok.encode(text, add_special_tokens=False).ids
-    trained = [i for i, lab in zip(f["input_ids"], f["labels"], strict=True) if lab != -100]
+    # rolled labels (upstream's): labels[i] is the target of input_ids[i]
+    trained = [lab for lab in f["labels"] if lab != -100]
     assert tok.decode(trained, skip_special_tokens=False) == "I am Twinkle.<|im_end|>"
+    assert f["labels"][:-1] == [
+        lab if lab == -100 else f["input_ids"][i + 1] for i, lab in enumerate(f["labels"][:-1])
+    ]
     assert f["id"] == 7  # other keys of the row are kept
     short = Qwen3_5Template(BASE, max_length=5, client=alice).encode(traj)
     assert len(short["input_ids"]) == 5
@@ -275,9 +274,9 @@ def test_templates_encode_through_the_server(env, alice):
     assert tok.decode(gen["input_ids"][-3:], skip_special_tokens=False).endswith("assistant\n")
     # a model accepts the template object (its name is sent)
     m = RemoteModel(BASE, client=alice)
-    m.add_adapter_to_model("default", {"r": 4})
+    m.add_adapter_to_model("tmpl", {"r": 4})
     m.set_template(Qwen3_5Template(BASE, client=alice))
-    assert "Qwen3_5Template" in m.get_train_configs()["template"]
+    assert "Qwen3_5Template" in json.loads(m.get_train_configs().result)["template"]
     # a DPO dataset encodes both sides and trains as pairs
     ds = Dataset(
         [
@@ -289,7 +288,7 @@ def test_templates_encode_through_the_server(env, alice):
     batch = dpo_batch(ds.rows)
     assert len(batch) == 4 and all("input_ids" in b for b in batch)
     m.set_loss("DPOLoss", beta=0.1)
-    out = m.forward_backward(inputs=batch)
+    out = m.forward_backward(inputs=batch).result
     assert np.isfinite(out["loss"]) and "dpo_accuracy:mean" in out["metrics"]
     with pytest.raises(twinkle_client.InvalidRequestError, match="messages\\[0\\].role"):
         t.encode({"messages": [{"role": "wizard", "content": "x"}]})
