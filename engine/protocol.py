@@ -289,7 +289,6 @@ NATIVE_MODEL_METHODS = frozenset(
         "lr_step",
         "clip_grad_and_step",
         "calculate_metric",
-        "add_metric",
         "save",
         "load",
         "resume_from_checkpoint",

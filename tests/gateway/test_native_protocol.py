@@ -146,7 +146,7 @@ def test_sessions_and_ownership(env):
         (f"{M}/upload_to_hub", {"checkpoint_dir": "twinkle://x", "hub_model_id": "a/b"}, 501,
          ["not available"]),
         (f"{M}/no_such_method", {}, 404, ["method"]),
-        (f"/api/v1/model/nope/model/twinkle/create", {}, 404, ["base_model"]),
+        ("/api/v1/model/nope/model/twinkle/create", {}, 404, ["base_model"]),
         (f"{S}/sample", {"inputs": [{"messages": []}], "sampling_params": {"max_tokens": 0}},
          400, ["max_tokens"]),
         (f"{S}/sample", {"inputs": [{"messages": [{"role": "user", "content": "x"}]}],
