@@ -21,7 +21,9 @@ target_tokens [N], ``old`` = ``loss_fn_inputs["logprobs"]`` (sampling logprobs),
   model's). ``-sum_pairs logsigmoid(beta * ((s_c - r_c) - (s_r - r_r))) + sft_weight *
   sum_chosen(-s_c)``; ``beta`` default 0.1, ``sft_weight`` default 0.0. Extra metrics
   ``dpo_accuracy:mean`` (pairs with margin > 0) and ``dpo_margin:mean`` where the margin is
-  ``beta * ((s_c - r_c) - (s_r - r_r))`` (TRL's "rewards/margins").
+  ``beta * ((s_c - r_c) - (s_r - r_r))`` (TRL's "rewards/margins"), ``dpo_chosen_reward:mean`` /
+  ``dpo_rejected_reward:mean`` (``beta * (s - r)``, TRL's "rewards/chosen|rejected") and
+  ``dpo_chosen_logps:mean`` / ``dpo_rejected_logps:mean`` (``s``).
 
 Every loss also accepts ``loss_fn_config["disable_lora"]`` (forward_only only): logprobs of the base
 model, without the adapter.
@@ -349,9 +351,15 @@ def request_loss(
             ref_lp = x["ref_logprobs"] if r is None else r
             ref_seq.append(sequence_logprob(ref_lp.to(lp.dtype), w))
             outputs[i] = {"logprobs": _f32(lp)}
-        loss, margins = dpo(torch.stack(seq), torch.stack(ref_seq), cfg["beta"], cfg["sft_weight"])
+        s, r = torch.stack(seq), torch.stack(ref_seq)
+        loss, margins = dpo(s, r, cfg["beta"], cfg["sft_weight"])
         pairs = int(margins.numel())
         metrics.add("dpo_accuracy:mean", float((margins > 0).sum()), pairs)
         metrics.add("dpo_margin:mean", float(margins.double().sum()), pairs)
+        s, r = s.detach().double(), r.detach().double()
+        for side, k in (("chosen", 0), ("rejected", 1)):
+            metrics.add(f"dpo_{side}_logps:mean", float(s[k::2].sum()), pairs)
+            reward = cfg["beta"] * (s[k::2] - r[k::2]).sum()
+            metrics.add(f"dpo_{side}_reward:mean", float(reward), pairs)
     metrics.add("loss:sum", float(loss.detach()))
     return loss

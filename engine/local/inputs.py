@@ -272,7 +272,9 @@ def _trained(d: DatumInput) -> np.ndarray:
     if w is None:
         return np.ones(n, dtype=bool)
     w = np.asarray(w, dtype=np.float64)
-    return (w.reshape(n, -1) > 0).any(axis=1) if w.size else np.zeros(n, dtype=bool)
+    if not w.size:
+        return np.zeros(n, dtype=bool)
+    return np.asarray((w.reshape(n, -1) > 0).any(axis=1), dtype=bool)
 
 
 def _per_sample(value: Any, name: str, n: int) -> list[Any]:

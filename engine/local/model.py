@@ -215,7 +215,7 @@ class MultiLoraTransformersModel(CheckpointMethods):
         "hf": shifted by one, see `engine.local.inputs`). Per sample: ``advantages`` (a float, or
         per-token), ``old_logps`` (the sampler's log-probs of the trained positions, or one per
         input position), ``ref_outputs`` (a forward_only result: its ``logps`` are the DPO
-        reference). ``task``: None only ('embedding' is not supported yet). ``loss_kwargs``
+        reference). ``task``: None or 'causal_lm' ('embedding': not supported yet). ``loss_kwargs``
         override the set_loss config for this call only. Result: see `engine.local.passes`."""
         call = _call_args(label_format, advantages, old_logps, ref_outputs, task)
         return self._pass(adapter_name, inputs, call, loss_kwargs, "train")

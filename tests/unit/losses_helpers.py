@@ -125,6 +125,10 @@ def reference(loss: str, data: list[DatumInput], lps: list, cfg: dict, base=None
         extra = {
             "dpo_accuracy:mean": float(np.mean(margins > 0)),
             "dpo_margin:mean": float(margins.mean()),
+            "dpo_chosen_logps:mean": float(np.mean(s[0::2])),
+            "dpo_rejected_logps:mean": float(np.mean(s[1::2])),
+            "dpo_chosen_reward:mean": float(np.mean(beta * (np.array(s[0::2]) - r[0::2]))),
+            "dpo_rejected_reward:mean": float(np.mean(beta * (np.array(s[1::2]) - r[1::2]))),
         }
         return None, total, extra
     per = []
