@@ -1,7 +1,7 @@
 """Run one of upstream Twinkle's cookbook client scripts, unmodified but for the marked
 substitutions in tests/compat/substitutions.py, against a running `twinkle serve`, offline.
 
-    python -m tests.compat.run_upstream tinker/self_cognition --server http://127.0.0.1:8123 --key KEY
+    python -m tests.compat.run_upstream tinker/self_cognition --server URL --key KEY
     python -m tests.compat.run_upstream --list
 
 The script is read at run time from an upstream checkout (never stored in this repo):
@@ -16,6 +16,7 @@ that no longer matches, no compat venv).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -83,9 +84,7 @@ def fetch_script(script_id: str, location: str | None = None) -> tuple[str, str]
 # ------------------------------------------------------------------ substitutions
 
 
-def apply_substitutions(
-    script_id: str, text: str, values: dict[str, str], log=print
-) -> str:
+def apply_substitutions(script_id: str, text: str, values: dict[str, str], log=print) -> str:
     """The script with every substitution applied, each one printed; HarnessError on a miss."""
     subs: list[Sub] = SCRIPTS[script_id]
     for i, sub in enumerate(subs, 1):
@@ -100,11 +99,11 @@ def apply_substitutions(
         else:
             pattern = re.compile(sub.old, re.MULTILINE)
             n = len(pattern.findall(text))
-            text = pattern.sub(lambda _m: new, text)
+            text = pattern.sub(lambda _m, repl=new: repl, text)
         if n != sub.count:
             raise HarnessError(
                 f"{script_id} substitution {i} ({sub.why}): {sub.old!r} matched {n} times, "
-                f"expected {sub.count}; upstream's script changed, review tests/compat/substitutions.py"
+                f"expected {sub.count}: upstream's script changed (see substitutions.py)"
             )
         log(f"[compat] substitution {i}/{len(subs)}: {sub.old!r} -> {new!r} ({n}x)")
         log(f"[compat]     why: {sub.why}")
@@ -144,10 +143,8 @@ def make_checkpoints(server_url: str, api_key: str) -> dict[str, str]:
         weights = tc.save_state("compat-fixture").result().path
         sampler = tc.save_weights_for_sampler("compat-fixture").result().path
     finally:
-        try:
+        with contextlib.suppress(Exception):  # best effort: the session expires anyway
             sc.close("success")
-        except Exception:  # noqa: BLE001 (best effort: the session expires anyway)
-            pass
 
     def as_twinkle(path: str) -> str:
         return re.sub(r"^[a-z]+://", "twinkle://", path)
@@ -204,7 +201,7 @@ def run_script(
     values = {"DATA": str(DATA)}
     if script_id in NEEDS_CHECKPOINT:
         values.update(make_checkpoints(server_url, api_key))
-        log(f"[compat] checkpoints saved by the harness: {values['ADAPTER']}, {values['SAMPLER_PATH']}")
+        log(f"[compat] harness checkpoints: {values['ADAPTER']}, {values['SAMPLER_PATH']}")
     patched = apply_substitutions(script_id, text, values, log=log)
     if python is None:
         from tests.compat.venv import CompatVenvUnavailable, compat_python
@@ -263,11 +260,13 @@ def run_script(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("script", nargs="*", help="script ids (kind/name), e.g. tinker/self_cognition")
-    ap.add_argument("--server", default=os.environ.get("TWINKLE_SERVER_URL", "http://127.0.0.1:8000"))
+    ap.add_argument(
+        "--server", default=os.environ.get("TWINKLE_SERVER_URL", "http://127.0.0.1:8000")
+    )
     ap.add_argument("--key", default=os.environ.get("TWINKLE_SERVER_TOKEN", ""))
     ap.add_argument("--timeout", type=float, default=SCRIPT_TIMEOUT_S)
-    ap.add_argument("--keep", action="store_true", help="keep the temp dir (patched script, caches)")
-    ap.add_argument("--list", action="store_true", help="list the script ids and their substitutions")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (script, caches)")
+    ap.add_argument("--list", action="store_true", help="list script ids and substitutions")
     ap.add_argument("--show", action="store_true", help="print the patched script, do not run it")
     args = ap.parse_args(argv)
     if args.list:
@@ -284,13 +283,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.show:
                 text, origin = fetch_script(sid)
                 print(f"# {origin}")
-                dummy = {"DATA": str(DATA), "ADAPTER": "twinkle://RUN/weights/NAME",
-                         "SAMPLER_PATH": "twinkle://RUN/sampler_weights/NAME"}
+                dummy = {
+                    "DATA": str(DATA),
+                    "ADAPTER": "twinkle://RUN/weights/NAME",
+                    "SAMPLER_PATH": "twinkle://RUN/sampler_weights/NAME",
+                }
                 print(apply_substitutions(sid, text, dummy, log=lambda s: print("#", s)))
                 results[sid] = 0
                 continue
-            results[sid] = run_script(sid, args.server, args.key, timeout=args.timeout,
-                                      keep_dir=args.keep)
+            results[sid] = run_script(
+                sid, args.server, args.key, timeout=args.timeout, keep_dir=args.keep
+            )
         except HarnessError as exc:
             print(f"[compat] {sid}: HARNESS ERROR: {exc}", file=sys.stderr)
             results[sid] = 2

@@ -40,7 +40,7 @@ class Sub:
 
 
 # Reasons shared by several scripts.
-_WHY_DATA = "offline: the dataset hub is unreachable; our own small local jsonl with the same columns"
+_WHY_DATA = "offline (no dataset hub): our own small local jsonl with the same columns"
 _WHY_TEMPLATE = (
     "client-side Qwen3_5Template needs a Qwen3.5(-VL) config (its position ids call the model's "
     "get_rope_index; the tiny model is Qwen2 + a ChatML template): use upstream's base Template"
@@ -81,14 +81,20 @@ SCRIPTS: dict[str, list[Sub]] = {
     # ---------------------------------------------------------------- twinkle-native client
     "twinkle/self_cognition": [
         _dataset("ms://swift/self-cognition", "self_cognition.jsonl"),
-        Sub(_WHY_CAP + " (8 rows; 2 batches of 4 a epoch, 3 epochs, a save each)",
-            r"data_slice=range\(500\)", "data_slice=range(8)"),
+        Sub(
+            _WHY_CAP + " (8 rows; 2 batches of 4 a epoch, 3 epochs, a save each)",
+            r"data_slice=range\(500\)",
+            "data_slice=range(8)",
+        ),
         _set_template(),
     ],
     "twinkle/dpo": [
         _dataset("ms://hjh0119/shareAI-Llama3-DPO-zh-en-emoji", "dpo_pairs.jsonl"),
-        Sub(_WHY_CAP + " (8 pairs: 2 batches of 4)", r"data_slice=range\(100\)",
-            "data_slice=range(8)"),
+        Sub(
+            _WHY_CAP + " (8 pairs: 2 batches of 4)",
+            r"data_slice=range\(100\)",
+            "data_slice=range(8)",
+        ),
         _set_template(),
     ],
     "twinkle/short_math_grpo": [
@@ -100,22 +106,31 @@ SCRIPTS: dict[str, list[Sub]] = {
         _reward_length_term("trajectories"),
     ],
     "twinkle/sample": [
-        Sub("a LoRA checkpoint that exists on this server (saved by the harness before the run)",
-            r"^ADAPTER_URI = 'twinkle://[^']*'", "ADAPTER_URI = '@@ADAPTER@@'"),
+        Sub(
+            "a LoRA checkpoint that exists on this server (saved by the harness before the run)",
+            r"^ADAPTER_URI = 'twinkle://[^']*'",
+            "ADAPTER_URI = '@@ADAPTER@@'",
+        ),
         Sub(_WHY_CAP, r"'max_tokens': 128,", "'max_tokens': 16,"),
     ],
     # ---------------------------------------------------------------- Tinker client (patched)
     "tinker/self_cognition": [
         _dataset("ms://swift/self-cognition", "self_cognition.jsonl"),
-        Sub(_WHY_CAP + " (8 rows: 1 batch of 8 a epoch, 3 epochs, a save each)",
-            r"data_slice=range\(500\)", "data_slice=range(8)"),
+        Sub(
+            _WHY_CAP + " (8 rows: 1 batch of 8 a epoch, 3 epochs, a save each)",
+            r"data_slice=range\(500\)",
+            "data_slice=range(8)",
+        ),
         _set_template(),
     ],
     "tinker/lora": [],  # runs as is (tokenizer: see the module docstring)
     "tinker/dpo": [
         _dataset("ms://hjh0119/shareAI-Llama3-DPO-zh-en-emoji", "dpo_pairs.jsonl"),
-        Sub(_WHY_CAP + " (8 pairs: 2 batches of 4)", r"data_slice=range\(5000\)",
-            "data_slice=range(8)"),
+        Sub(
+            _WHY_CAP + " (8 pairs: 2 batches of 4)",
+            r"data_slice=range\(5000\)",
+            "data_slice=range(8)",
+        ),
         _set_template(),
     ],
     "tinker/short_math_grpo": [
@@ -124,14 +139,19 @@ SCRIPTS: dict[str, list[Sub]] = {
         Sub(_WHY_CAP, r"^MAX_STEPS = 1000\b", "MAX_STEPS = 2"),
         Sub(_WHY_CAP, r"^MAX_NEW_TOKENS = 4096\b", "MAX_NEW_TOKENS = 16"),
         _set_template(),
-        Sub(_WHY_TEMPLATE + " (the script's own decode template)",
+        Sub(
+            _WHY_TEMPLATE + " (the script's own decode template)",
             r"^from twinkle\.template import Qwen3_5Template$",
-            "from twinkle.template import Template as Qwen3_5Template"),
+            "from twinkle.template import Template as Qwen3_5Template",
+        ),
         _reward_length_term("trajectories"),
     ],
     "tinker/sample": [
-        Sub("a sampler checkpoint that exists on this server (saved by the harness before the run)",
-            r"model_path='twinkle://[^']*'", "model_path='@@SAMPLER_PATH@@'"),
+        Sub(
+            "a sampler checkpoint that exists on this server (saved by the harness before the run)",
+            r"model_path='twinkle://[^']*'",
+            "model_path='@@SAMPLER_PATH@@'",
+        ),
         Sub(_WHY_TEMPLATE, r"^template = Qwen3_5Template\(", "template = Template("),
         Sub(_WHY_CAP, r"max_tokens=128,", "max_tokens=16,"),
     ],

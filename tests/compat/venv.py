@@ -111,8 +111,18 @@ def compat_python(repo: Path = REPO, *, quiet: bool = True) -> Path:
     Path(site, "zz_project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
         [
-            sys.executable, "-m", "pip", "install", *q, "--no-deps", "--no-index",
-            "--find-links", str(wheels), "--target", site, *specs,
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            *q,
+            "--no-deps",
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--target",
+            site,
+            *specs,
         ],
         check=True,
         timeout=900,
