@@ -71,7 +71,8 @@ def _reward_length_term(traj_name: str) -> Sub:
         _WHY_REWARD,
         r"total_rewards = \[a \+ b for a, b in zip\(accuracy_rewards, brevity_rewards\)\]",
         (
-            "total_rewards = [a + b + 1e-3 * len(str(t['messages'][-1].get('content') or '')) "
+            "total_rewards = [a + b + 1e-3 * len(str(([m for m in t.get('messages') or [] "
+            "if m.get('role') == 'assistant'] or [{}])[-1].get('content') or '')) "
             f"for a, b, t in zip(accuracy_rewards, brevity_rewards, {traj_name})]"
         ),
     )

@@ -56,7 +56,8 @@ def test_substitutions_still_match(script_id: str):
         "ADAPTER": "twinkle://run/weights/x",
         "SAMPLER_PATH": "twinkle://run/sampler_weights/x",
     }
-    apply_substitutions(script_id, text, values, log=lambda _line: None)
+    patched = apply_substitutions(script_id, text, values, log=lambda _line: None)
+    compile(patched, f"{script_id}.py", "exec")  # still valid Python
 
 
 @pytest.mark.parametrize(
