@@ -20,9 +20,12 @@ import contextlib
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -231,26 +234,32 @@ def run_script(
         text=True,
         start_new_session=True,
     )
+    timed_out = threading.Event()
+
+    def _kill() -> None:
+        if proc.poll() is None:
+            timed_out.set()
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(timeout, _kill)  # also when the script hangs without output
+    watchdog.start()
     try:
         assert proc.stdout is not None
-        deadline = t0 + timeout
         for line in proc.stdout:
             log(line.rstrip("\n"))
-            if time.monotonic() > deadline:
-                break
-        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        rc = None
+        rc = proc.wait()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+        watchdog.cancel()
+        if proc.poll() is None:  # interrupted (e.g. KeyboardInterrupt): leave nothing behind
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            log(f"[compat] {script_id}: killed after {timeout:.0f} s")
-            rc = 124
+        if proc.stdout is not None:
+            proc.stdout.close()
+    if timed_out.is_set():
+        log(f"[compat] {script_id}: killed after {timeout:.0f} s")
+        rc = 124
     log(f"[compat] {script_id}: exit {rc} after {time.monotonic() - t0:.1f} s")
     if not keep_dir and rc == 0:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         log(f"[compat] kept {tmp}")
