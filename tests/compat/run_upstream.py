@@ -193,6 +193,7 @@ def run_script(
     python: str | os.PathLike | None = None,
     timeout: float = SCRIPT_TIMEOUT_S,
     keep_dir: bool = False,
+    checkpoints: dict[str, str] | None = None,
     log=print,
 ) -> int:
     """Fetch, substitute and run one script; its output streamed through `log`. Returns its exit
@@ -203,7 +204,7 @@ def run_script(
     log(f"[compat] {script_id}: {origin}")
     values = {"DATA": str(DATA)}
     if script_id in NEEDS_CHECKPOINT:
-        values.update(make_checkpoints(server_url, api_key))
+        values.update(checkpoints or make_checkpoints(server_url, api_key))
         log(f"[compat] harness checkpoints: {values['ADAPTER']}, {values['SAMPLER_PATH']}")
     patched = apply_substitutions(script_id, text, values, log=log)
     if python is None:
@@ -276,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=SCRIPT_TIMEOUT_S)
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (script, caches)")
     ap.add_argument("--list", action="store_true", help="list script ids and substitutions")
+    ap.add_argument(
+        "--checkpoints",
+        nargs=2,
+        metavar=("ADAPTER", "SAMPLER_PATH"),
+        help="for the sample scripts: use these twinkle:// paths instead of saving new ones",
+    )
     ap.add_argument("--show", action="store_true", help="print the patched script, do not run it")
     args = ap.parse_args(argv)
     if args.list:
@@ -301,7 +308,16 @@ def main(argv: list[str] | None = None) -> int:
                 results[sid] = 0
                 continue
             results[sid] = run_script(
-                sid, args.server, args.key, timeout=args.timeout, keep_dir=args.keep
+                sid,
+                args.server,
+                args.key,
+                timeout=args.timeout,
+                keep_dir=args.keep,
+                checkpoints=(
+                    dict(zip(("ADAPTER", "SAMPLER_PATH"), args.checkpoints, strict=True))
+                    if args.checkpoints
+                    else None
+                ),
             )
         except HarnessError as exc:
             print(f"[compat] {sid}: HARNESS ERROR: {exc}", file=sys.stderr)
