@@ -6,9 +6,9 @@ single-adapter and the fused multi-adapter paths compute exactly the same thing;
 registry (required/optional ``loss_fn_inputs``, accepted ``loss_fn_config`` keys and defaults);
 parsing of ``loss_fn_config``; and the reduction of partial metrics across micro-batches.
 
-Every loss is a SUM over tokens and datums (never a mean). Notation: ``lp`` = learner log p of
-target_tokens [N], ``old`` = ``loss_fn_inputs["logprobs"]`` (sampling logprobs), ``A`` =
-``loss_fn_inputs["advantages"]``, ``ratio = exp(lp - old)``.
+Every loss is a SUM over tokens and datums, except ``dpo`` with ``mean_reduction`` (below).
+Notation: ``lp`` = learner log p of target_tokens [N], ``old`` = ``loss_fn_inputs["logprobs"]``
+(sampling logprobs), ``A`` = ``loss_fn_inputs["advantages"]``, ``ratio = exp(lp - old)``.
 
 * ``cross_entropy``: ``-sum(lp * weights)``; ``[N, K]`` targets/weights sum over K too.
 * ``importance_sampling``: ``-sum(ratio * A)``.
@@ -24,6 +24,12 @@ target_tokens [N], ``old`` = ``loss_fn_inputs["logprobs"]`` (sampling logprobs),
   ``beta * ((s_c - r_c) - (s_r - r_r))`` (TRL's "rewards/margins"), ``dpo_chosen_reward:mean`` /
   ``dpo_rejected_reward:mean`` (``beta * (s - r)``, TRL's "rewards/chosen|rejected") and
   ``dpo_chosen_logps:mean`` / ``dpo_rejected_logps:mean`` (``s``).
+  ``mean_reduction`` c > 0 (default 0: the sums above) makes it upstream Twinkle's ``DPOLoss``
+  reduction, times c: ``c * (mean_pairs(-logsigmoid(...)) + sft_weight * sum_chosen(-s_c) /
+  sum_chosen(weights))`` (the SFT term is the token mean of the chosen datums' NLL; c = 1/k
+  for a gradient-accumulation window of k calls). The counts are the whole request's, or
+  ``num_pairs`` / ``num_chosen_tokens`` when given (the scheduler sets them on the slices of a
+  sliced request).
 
 Every loss also accepts ``loss_fn_config["disable_lora"]`` (forward_only only): logprobs of the base
 model, without the adapter.
@@ -31,7 +37,9 @@ model, without the adapter.
 Upstream Twinkle's Tinker DPO convention (its cookbook ``tinker/dpo.py``; `tinker_dpo`):
 ``importance_sampling`` with ``dpo_*`` keys in ``loss_fn_config`` (``dpo_beta`` default 0.1,
 ``dpo_sft_weight`` default 0.0, ``dpo_loss_type`` 'sigmoid' only) and
-``loss_fn_inputs["ref_logps"]`` on every datum runs as ``dpo`` with ``ref_logprobs = ref_logps``.
+``loss_fn_inputs["ref_logps"]`` on every datum runs as ``dpo`` with ``ref_logprobs = ref_logps``
+and ``mean_reduction`` 1 (as upstream's server runs its ``DPOLoss``: ``loss:sum`` is then
+upstream's loss value, the mean over pairs plus ``dpo_sft_weight`` times the chosen token mean).
 Without ``dpo_*`` keys, ``importance_sampling`` is Tinker's, unchanged.
 """
 
@@ -54,6 +62,8 @@ if TYPE_CHECKING:
 
 #: accepted by every loss: forward through the base model only (reference logprobs)
 DISABLE_LORA = "disable_lora"
+#: dpo's loss_fn_config keys of the mean reduction (module doc)
+MEAN_REDUCTION, NUM_PAIRS, NUM_CHOSEN_TOKENS = "mean_reduction", "num_pairs", "num_chosen_tokens"
 _TRUE = ("1", "1.0", "true", "yes", "on")
 _FALSE = ("0", "0.0", "false", "no", "off", "")
 
@@ -104,13 +114,20 @@ def sequence_logprob(lp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def dpo(
-    seq: torch.Tensor, ref: torch.Tensor, beta: float, sft_weight: float
+    seq: torch.Tensor,
+    ref: torch.Tensor,
+    beta: float,
+    sft_weight: float,
+    pair_scale: float = 1.0,
+    sft_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DPO over pairs. ``seq`` / ``ref`` [2P]: policy / reference sequence logprobs in the order
-    chosen_0, rejected_0, chosen_1, ... Returns (loss, margins [P] detached)."""
+    chosen_0, rejected_0, chosen_1, ... Loss ``pair_scale * sum_pairs(-logsigmoid(margin)) +
+    sft_weight * sft_scale * sum_chosen(-s_c)`` (scales 1: the sum). Returns (loss, margins [P]
+    detached)."""
     s_c, s_r, r_c, r_r = seq[0::2], seq[1::2], ref[0::2], ref[1::2]
     margin = beta * ((s_c - r_c) - (s_r - r_r))
-    loss = -F.logsigmoid(margin).sum() + sft_weight * (-s_c).sum()
+    loss = pair_scale * -F.logsigmoid(margin).sum() + sft_weight * sft_scale * (-s_c).sum()
     return loss, margin.detach()
 
 
@@ -172,7 +189,13 @@ LOSSES: dict[str, LossSpec] = {
         LossSpec(
             "dpo",
             optional=("weights", "ref_logprobs"),
-            config={"beta": 0.1, "sft_weight": 0.0},
+            config={
+                "beta": 0.1,
+                "sft_weight": 0.0,
+                MEAN_REDUCTION: 0.0,
+                NUM_PAIRS: 0.0,
+                NUM_CHOSEN_TOKENS: 0.0,
+            },
             paired=True,
         ),
     )
@@ -246,6 +269,9 @@ def parse_config(
             raise UserInputError(f"loss_fn_config.beta: {cfg['beta']} must be > 0")
         if cfg["sft_weight"] < 0:
             raise UserInputError(f"loss_fn_config.sft_weight: {cfg['sft_weight']} must be >= 0")
+        for key in (MEAN_REDUCTION, NUM_PAIRS, NUM_CHOSEN_TOKENS):
+            if cfg[key] < 0:
+                raise UserInputError(f"loss_fn_config.{key}: {cfg[key]} must be >= 0")
     return cfg, disable
 
 
@@ -277,7 +303,7 @@ def tinker_dpo(inp: ForwardBackwardInput) -> ForwardBackwardInput:
         raise UserInputError(
             f"loss_fn_config.dpo_loss_type: {loss_type!r} is not supported; accepted: sigmoid"
         )
-    config = {TINKER_DPO_KEYS.get(k) or k: v for k, v in raw.items()}
+    config = {MEAN_REDUCTION: 1.0, **{TINKER_DPO_KEYS.get(k) or k: v for k, v in raw.items()}}
     data = [
         DatumInput(d.tokens, {**d.loss_fn_inputs, "ref_logprobs": d.loss_fn_inputs["ref_logps"]})
         for d in inp.data
@@ -309,6 +335,21 @@ class MetricSums:
 
 def _f32(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().astype(np.float32)
+
+
+def dpo_scales(req: Request) -> tuple[float, float]:
+    """(pair_scale, sft_scale) of `dpo` for ``req``: 1, 1 (sums) unless ``mean_reduction`` c > 0:
+    c / pairs and c / chosen tokens (the weights' sum over the chosen datums, at least 1) of the
+    whole request (``num_pairs`` / ``num_chosen_tokens`` when given: set by the slicer, so every
+    slice divides by the whole request's counts)."""
+    c = req.config.get(MEAN_REDUCTION, 0.0)
+    if c <= 0:
+        return 1.0, 1.0
+    pairs = req.config.get(NUM_PAIRS) or len(req.data) // 2
+    chosen = req.config.get(NUM_CHOSEN_TOKENS) or float(
+        sum(float(d.weights[:, 0].sum()) for d in req.data[0::2])
+    )
+    return c / max(pairs, 1), c / max(chosen, 1.0)
 
 
 def request_loss(
@@ -352,7 +393,7 @@ def request_loss(
             ref_seq.append(sequence_logprob(ref_lp.to(lp.dtype), w))
             outputs[i] = {"logprobs": _f32(lp)}
         s, r = torch.stack(seq), torch.stack(ref_seq)
-        loss, margins = dpo(s, r, cfg["beta"], cfg["sft_weight"])
+        loss, margins = dpo(s, r, cfg["beta"], cfg["sft_weight"], *dpo_scales(req))
         pairs = int(margins.numel())
         metrics.add("dpo_accuracy:mean", float((margins > 0).sum()), pairs)
         metrics.add("dpo_margin:mean", float(margins.double().sum()), pairs)

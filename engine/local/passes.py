@@ -8,8 +8,12 @@ check, add_metric's metrics (checked before, fed after), and the JSON-able resul
 
 Result of every pass (lists and floats only, so it crosses HTTP as is)::
 
-    loss              loss_sum / num_tokens for cross_entropy, loss_sum for every other loss
-    loss_sum          the backend's summed loss
+    loss              Tinker names: loss_sum / num_tokens for cross_entropy, loss_sum otherwise.
+                      Upstream names (CrossEntropyLoss, GRPOLoss, DPOLoss): upstream's loss value
+                      of the call (token mean; per-sequence token mean, batch mean; mean over
+                      pairs + sft_weight x chosen token mean), see `upstream_scaling`
+    loss_sum          the summed loss, Tinker's (unscaled sum of elementwise_loss) for every
+                      name but DPOLoss (there: = loss)
     num_tokens        sum of the weights (trained positions)
     logprobs          per sample, log p(target) at each datum position (Tinker alignment)
     logps             per sample, the same at input positions (len(input_ids); 0.0 where no target
@@ -34,7 +38,7 @@ from engine.local.inputs import (
     ref_logps_of,
     weighted_tokens,
 )
-from engine.local.training_config import LOCAL_LOSS_KEYS, resolve_loss
+from engine.local.training_config import LOCAL_LOSS_KEYS, UPSTREAM_MEAN, resolve_loss
 from engine.protocol import DatumInput, ForwardBackwardInput, ForwardBackwardOutput
 
 if TYPE_CHECKING:
@@ -72,7 +76,8 @@ def loss_config(
     loss: tuple[str, str, dict], loss_kwargs: dict, batch: Batch
 ) -> tuple[str, dict, Batch]:
     """(loss_fn, the backend's loss_fn_config, batch) for this call: set_loss's config with the
-    call's overrides; the model's own keys are applied to the batch and left out."""
+    call's overrides; the model's own keys are applied to the batch and left out (but
+    ``upstream_mean``, which `run_pass` pops)."""
     name, loss_fn, config = loss
     if loss_kwargs:
         config = {**config, **resolve_loss(name, loss_kwargs)[2]}
@@ -93,22 +98,88 @@ def loss_config(
     return loss_fn, config, batch
 
 
+def _trained(d: DatumInput) -> float:
+    """Trained positions of one datum: its weights > 0 (all positions without weights)."""
+    w = d.loss_fn_inputs.get("weights")
+    if w is None:
+        return float(len(d.tokens))
+    return float((np.asarray(w, dtype=np.float64) > 0).sum())
+
+
+def upstream_scaling(
+    loss_fn: str, config: dict, batch: Batch, k: int
+) -> tuple[dict, Batch, list[float]]:
+    """Upstream Twinkle's mean reductions as our sums (`resolve_loss`'s ``upstream_mean``), for a
+    call in a gradient-accumulation window of ``k`` calls (upstream divides the accumulated
+    gradient by the number of calls; k = 1 without gradient). Returns (config, batch with the
+    scaled inputs, each datum's scale ``c_i``). With B datums and N the call's weights sum:
+
+    * ``cross_entropy`` (CrossEntropyLoss): weights × ``1 / (max(N, 1) k)``, so the sum is the
+      token mean ``sum(nll * w) / sum(w)`` over k.
+    * ``ppo`` (GRPOLoss): advantages × ``1 / (max(T_i, 1) B k)``, T_i = trained positions of datum
+      i: the per-sequence token mean, then the batch mean, over k (the clipped objective
+      ``-min(r A, clamp(r) A)`` is positively homogeneous in A, value and gradient alike).
+    * ``dpo`` (DPOLoss): the backend's ``mean_reduction`` = 1 / k (mean over pairs + sft_weight ×
+      chosen token mean; engine/backends/losses.py).
+    """
+    data = batch.data
+    if loss_fn == "dpo":
+        return {**config, "mean_reduction": 1.0 / k}, batch, [1.0] * len(data)
+    if loss_fn == "cross_entropy":
+        key, scales = "weights", [1.0 / (max(weighted_tokens(data), 1.0) * k)] * len(data)
+    elif loss_fn == "ppo":
+        key, scales = "advantages", [1.0 / (max(_trained(d), 1.0) * len(data) * k) for d in data]
+    else:  # pragma: no cover - resolve_loss sets upstream_mean for these three only
+        raise UserInputError(f"no upstream reduction for loss_fn {loss_fn!r}")
+    out = []
+    for d, c in zip(data, scales, strict=True):
+        x = d.loss_fn_inputs
+        value = x.get(key)
+        if value is None and key == "weights":
+            t = x.get("target_tokens")
+            value = np.ones(np.shape(t) if t is not None else (len(d.tokens),), np.float32)
+        if value is not None:
+            x = {**x, key: np.asarray(value, dtype=np.float64) * c}
+        out.append(DatumInput(tokens=d.tokens, loss_fn_inputs=x))
+    return config, Batch(out, batch.src, batch.row_len), scales
+
+
 def _floats(value: Any) -> Any:
     return None if value is None else np.asarray(value, dtype=np.float64).tolist()
 
 
-def pass_result(out: ForwardBackwardOutput, batch: Batch, loss_fn: str) -> dict[str, Any]:
-    """The pass's result dict (see the module doc)."""
+def pass_result(
+    out: ForwardBackwardOutput,
+    batch: Batch,
+    loss_fn: str,
+    scales: list[float] | None = None,
+    k: int = 1,
+) -> dict[str, Any]:
+    """The pass's result dict (see the module doc). ``scales`` / ``k``: `upstream_scaling`'s, when
+    the inputs were scaled (the backend's ``loss:sum`` is then upstream's loss over k)."""
     loss_sum = float(out.metrics.get("loss:sum", 0.0))
     n_tok = weighted_tokens(batch.data)
     logprobs = [o.get("logprobs") for o in out.outputs]
+    elementwise = [o.get("elementwise_loss") for o in out.outputs]
+    if scales is None:
+        loss = loss_sum / n_tok if loss_fn == "cross_entropy" and n_tok > 0 else loss_sum
+    else:  # upstream's value; per-token losses and loss_sum unscaled (Tinker's sums)
+        loss = loss_sum * k
+        elementwise = [
+            e if e is None or c <= 0 else np.asarray(e, dtype=np.float64) / c
+            for e, c in zip(elementwise, scales, strict=True)
+        ]
+        if loss_fn != "dpo":
+            loss_sum = float(sum(np.sum(e) for e in elementwise if e is not None))
+        else:
+            loss_sum = loss
     return {
-        "loss": loss_sum / n_tok if loss_fn == "cross_entropy" and n_tok > 0 else loss_sum,
+        "loss": loss,
         "loss_sum": loss_sum,
         "num_tokens": n_tok,
         "logprobs": [_floats(lp) for lp in logprobs],
         "logps": aligned_logps(batch, logprobs),
-        "elementwise_loss": [_floats(o.get("elementwise_loss")) for o in out.outputs],
+        "elementwise_loss": [_floats(e) for e in elementwise],
         "metrics": {k: float(v) for k, v in out.metrics.items()},
     }
 
@@ -132,8 +203,11 @@ def run_pass(
     metrics = {"train": st.train_metrics, "eval": st.eval_metrics}.get(mode, [])
     for m in metrics:
         m.check(batch.data)  # before any compute
-    inp = ForwardBackwardInput(batch.data, loss_fn, config, forward_only=mode != "train")
-    res = pass_result(backend.forward_backward(adapter_name, inp), batch, loss_fn)
+    sent, scales, k = batch, None, st.gas if mode == "train" else 1
+    if float(config.pop(UPSTREAM_MEAN, 0.0)):
+        config, sent, scales = upstream_scaling(loss_fn, config, batch, k)
+    inp = ForwardBackwardInput(sent.data, loss_fn, config, forward_only=mode != "train")
+    res = pass_result(backend.forward_backward(adapter_name, inp), batch, loss_fn, scales, k)
     st.last, st.cached = res, (batch, loss_kwargs) if mode != "train" else None
     if mode == "train":
         st.pending_grad = True

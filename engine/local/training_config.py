@@ -59,8 +59,13 @@ def _norm(name: str) -> str:
 
 #: upstream Twinkle names we know but cannot run yet (a clear error instead of "unknown")
 _NOT_YET = {"infonceloss": "InfonceLoss (embedding training, task='embedding')"}
+#: normalised upstream class names whose reduction the local model reproduces (`resolve_loss`)
+UPSTREAM_MEAN_LOSSES = ("crossentropyloss", "grpoloss", "dpoloss")
+#: set by resolve_loss (1.0 / 0.0): reproduce upstream's mean reduction (`engine.local.passes`)
+UPSTREAM_MEAN = "upstream_mean"
 #: loss_fn_config keys the local model consumes itself (never sent to the backend)
 LOCAL_LOSS_KEYS = ("reference_free",)
+CE_REDUCTIONS = ("mean", "sum")
 DPO_LOSS_TYPES = ("sigmoid",)
 
 
@@ -97,6 +102,12 @@ def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[s
     0) and an entropy bonus are not available and are refused. ``DPOLoss(beta, loss_type,
     reference_free, sft_weight)`` maps to ``dpo``: only ``loss_type='sigmoid'``;
     ``reference_free`` makes the reference log-probs 0 (applied by the model, not the backend).
+
+    Reductions: the upstream class names ``CrossEntropyLoss`` (``reduction='mean'``, the default),
+    ``GRPOLoss`` and ``DPOLoss`` get ``upstream_mean`` 1 in the config: the model reproduces
+    upstream's mean reductions (`engine.local.passes.upstream_scaling`). ``CrossEntropyLoss(
+    reduction='sum')`` and the Tinker names (``cross_entropy``, ``ppo``, ``dpo``, ...; also
+    ``PPOLoss``, ``grpo``) keep Tinker's sums.
     """
     name = _loss_name(loss)
     norm = _norm(name)
@@ -134,8 +145,17 @@ def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[s
         _pop_fixed(kw, name, "label_smoothing", 0.0, "use 0")
         if _flag_value(name, "reference_free", kw.pop("reference_free", False)):
             config["reference_free"] = 1.0
-    if loss_fn == "cross_entropy":
-        _pop_fixed(kw, name, "reduction", "sum", "losses are sums over weighted tokens")
+    if norm in UPSTREAM_MEAN_LOSSES:
+        config[UPSTREAM_MEAN] = 1.0
+    if loss_fn == "cross_entropy" and norm in UPSTREAM_MEAN_LOSSES:
+        reduction = kw.pop("reduction", "mean")
+        if reduction not in CE_REDUCTIONS:
+            raise UserInputError(
+                f"{name}: reduction {reduction!r} is not supported; accepted: mean, sum"
+            )
+        config[UPSTREAM_MEAN] = float(reduction == "mean")
+    elif loss_fn == "cross_entropy":
+        _pop_fixed(kw, name, "reduction", "sum", "Tinker's cross_entropy is a sum")
     for key, value in kw.items():
         if isinstance(value, bool):
             value = float(value)

@@ -2,12 +2,16 @@
 
 Exact because every loss is a sum over datums: the gradient of the whole request is the sum of
 the slices' gradients, and `name:sum` metrics add up. `:mean` metrics are weighted by datums per
-slice, as the Tinker SDK does across chunks. DPO pairs (chosen, rejected) stay in one slice.
+slice, as the Tinker SDK does across chunks. DPO pairs (chosen, rejected) stay in one slice, and
+each slice of a paired request carries the whole request's pair and chosen-token counts
+(`pair_totals`), so DPO's mean reduction stays exact.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+
+import numpy as np
 
 from engine.protocol import ForwardBackwardInput, ForwardBackwardOutput
 
@@ -47,7 +51,28 @@ def slice_input(
             start, cost = i, 0
         cost += unit
     parts.append((replace(inp, data=inp.data[start:]), cost))
+    if step == 2:
+        totals = pair_totals(inp)
+        parts = [
+            (replace(p, loss_fn_config={**totals, **(p.loss_fn_config or {})}), c) for p, c in parts
+        ]
     return parts
+
+
+def pair_totals(inp: ForwardBackwardInput) -> dict[str, float]:
+    """The whole request's pair count and chosen-datum weight sum, for the slices of a paired
+    request: DPO's mean reduction divides by them (engine/backends/losses.py ``dpo``). Empty
+    when the weights cannot be read (the backend's validation then refuses the request)."""
+    chosen = 0.0
+    try:
+        for d in inp.data[0::2]:
+            w = (d.loss_fn_inputs or {}).get("weights")
+            chosen += (
+                float(np.asarray(w, dtype=np.float64).sum()) if w is not None else len(d.tokens)
+            )
+    except (TypeError, ValueError):
+        return {}
+    return {"num_pairs": float(len(inp.data) // 2), "num_chosen_tokens": chosen}
 
 
 def merge_outputs(outs: list[ForwardBackwardOutput]) -> ForwardBackwardOutput:
