@@ -72,13 +72,14 @@ def test_importance_sampling_with_dpo_keys_and_ref_logps_runs_dpo(env) -> None:
         {"data": data, "loss_fn": "importance_sampling", "loss_fn_config": cfg},
     )
     m = out["metrics"]
-    # a fresh adapter is the base model: margin 0, so log(2) + sft_weight * (-log p(chosen))
+    # a fresh adapter is the base model: margin 0, so upstream's DPOLoss value: log(2) (mean over
+    # the pairs) + sft_weight * the chosen token mean of -log p
     weights = data[0]["loss_fn_inputs"]["weights"]["data"]
     chosen = sum(lp * w for lp, w in zip(ref_lp[0], weights, strict=True))
     assert m["dpo_margin:mean"] == pytest.approx(0.0, abs=1e-5)
     assert m["dpo_chosen_reward:mean"] == pytest.approx(0.0, abs=1e-5)
     assert m["dpo_chosen_logps:mean"] == pytest.approx(chosen, abs=1e-4)
-    assert m["loss:sum"] == pytest.approx(math.log(2) - chosen, abs=1e-4)
+    assert m["loss:sum"] == pytest.approx(math.log(2) - chosen / sum(weights), abs=1e-4)
     # without ref_logps the dpo_* keys are an error naming what is missing
     bad = _run(
         client,

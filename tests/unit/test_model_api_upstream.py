@@ -154,8 +154,9 @@ def test_dpo_with_ref_outputs_round_trip_metric_and_reference_free(model, seqs) 
     ref = model.forward_only(pairs, adapter_name=name, disable_lora=True)
     json.dumps(ref)
     out = model.forward_backward(pairs, adapter_name=name, ref_outputs=ref)
-    # a fresh LoRA (B = 0) is the base model: policy = reference, every pair at log(2)
-    assert out["loss_sum"] == pytest.approx(2 * LN2, abs=1e-5)
+    # a fresh LoRA (B = 0) is the base model: policy = reference, every pair at log(2);
+    # DPOLoss is upstream's mean over the pairs (loss_sum = loss for DPOLoss)
+    assert out["loss"] == out["loss_sum"] == pytest.approx(LN2, abs=1e-5)
     metric = model.calculate_metric(is_training=True, adapter_name=name)
     seq = [
         sum(lp * (lab != -100) for lp, lab in zip(row_lp, r["labels"], strict=True))
@@ -172,8 +173,8 @@ def test_dpo_with_ref_outputs_round_trip_metric_and_reference_free(model, seqs) 
     free = model.forward_only(pairs, adapter_name=name)
     want = sum(
         -math.log(1 / (1 + math.exp(-0.1 * (seq[2 * p] - seq[2 * p + 1])))) for p in range(2)
-    )
-    assert free["loss_sum"] == pytest.approx(want, abs=1e-4)
+    ) / 2  # mean over the 2 pairs
+    assert free["loss"] == pytest.approx(want, abs=1e-4)
     with pytest.raises(UserInputError, match="ref_outputs.*logps"):
         model.forward_backward(pairs, adapter_name=name, ref_outputs={"loss": 1.0})
     with pytest.raises(UserInputError, match="DPOMetric.*even"):
@@ -246,17 +247,18 @@ def test_tinker_dpo_convention_runs_as_dpo_at_the_backend(model, seqs) -> None:
     )
     b = be.forward_backward(
         name,
-        ForwardBackwardInput(native, "dpo", {"beta": 0.2, "sft_weight": 1.0}, forward_only=True),
+        ForwardBackwardInput(
+            native,
+            "dpo",
+            {"beta": 0.2, "sft_weight": 1.0, "mean_reduction": 1.0},
+            forward_only=True,
+        ),
     )
     assert a.metrics == b.metrics and "dpo_accuracy:mean" in a.metrics
-    assert a.metrics["loss:sum"] == pytest.approx(
-        LN2
-        - sum(
-            float((np.asarray(lp) * d.loss_fn_inputs["weights"]).sum())
-            for lp, d in zip(ref_lp[:1], plain[:1], strict=True)
-        ),
-        abs=1e-4,
-    )
+    # upstream's DPOLoss reduction: mean over the pair + sft_weight x the chosen token mean
+    chosen_w = np.asarray(plain[0].loss_fn_inputs["weights"])
+    chosen_nll = -float((np.asarray(ref_lp[0]) * chosen_w).sum()) / float(chosen_w.sum())
+    assert a.metrics["loss:sum"] == pytest.approx(LN2 + chosen_nll, abs=1e-4)
     with pytest.raises(UserInputError, match="dpo_beta.*ref_logps.*data\\[0\\]"):
         be.forward_backward(name, ForwardBackwardInput(plain, "importance_sampling", cfg))
     with pytest.raises(UserInputError, match="dpo_loss_type.*'ipo'.*sigmoid"):
