@@ -171,9 +171,10 @@ def test_dpo_with_ref_outputs_round_trip_metric_and_reference_free(model, seqs) 
     # reference_free: the reference log-probs are 0
     model.set_loss("DPOLoss", beta=0.1, reference_free=True, adapter_name=name)
     free = model.forward_only(pairs, adapter_name=name)
-    want = sum(
-        -math.log(1 / (1 + math.exp(-0.1 * (seq[2 * p] - seq[2 * p + 1])))) for p in range(2)
-    ) / 2  # mean over the 2 pairs
+    want = (
+        sum(-math.log(1 / (1 + math.exp(-0.1 * (seq[2 * p] - seq[2 * p + 1])))) for p in range(2))
+        / 2
+    )  # mean over the 2 pairs
     assert free["loss"] == pytest.approx(want, abs=1e-4)
     with pytest.raises(UserInputError, match="ref_outputs.*logps"):
         model.forward_backward(pairs, adapter_name=name, ref_outputs={"loss": 1.0})
