@@ -7,14 +7,22 @@ the same surface and a script switches between local and remote by changing an i
 
 Documented choices (they differ from upstream where the engine follows Tinker):
 
-* Losses are sums over weighted tokens (Tinker semantics), never means. Gradient accumulation
-  therefore sums: with ``gradient_accumulation_steps=k`` the optimizer runs on every k-th call of
-  `step`, with the sum of the gradients of the forward_backward calls since the last applied step,
-  which equals one step on the concatenated batch. Nothing is divided by k. Inside an accumulation
-  window `zero_grad` and `lr_step` are no-ops (as upstream), so the usual loop
+* Reductions by loss name. The upstream class names follow upstream's reductions, value and
+  gradient: ``CrossEntropyLoss`` (``reduction='mean'``, the default) the call's token mean,
+  ``GRPOLoss`` the per-sequence token mean then the mean over sequences, ``DPOLoss`` the mean over
+  pairs + sft_weight × the chosen token mean (`engine.local.passes.upstream_scaling`, exact
+  rescalings of the backend's sums). With ``gradient_accumulation_steps=k`` each of their calls
+  counts 1/k, as upstream divides the window's gradient by its number of calls (assumed: one
+  forward_backward per `step`). The Tinker names (cross_entropy, importance_sampling, ppo,
+  cispo, dro, dpo), ``PPOLoss`` and ``CrossEntropyLoss(reduction='sum')`` are sums over weighted
+  tokens (Tinker semantics) and accumulate as sums: nothing is divided by k, which equals one
+  step on the concatenated batch. Either way the optimizer runs on every k-th call of `step`,
+  with the accumulated gradient of the forward_backward calls since the last applied step. Inside
+  an accumulation window `zero_grad` and `lr_step` are no-ops (as upstream), so the usual loop
   ``forward_backward(...); clip_grad_and_step()`` works for any k.
-* Passes return a JSON-able dict (`engine.local.passes`): ``loss`` (``loss_sum / num_tokens`` for
-  cross_entropy, ``loss_sum`` otherwise), ``loss_sum``, ``num_tokens``, per-sample ``logprobs``
+* Passes return a JSON-able dict (`engine.local.passes`): ``loss`` (upstream's value for the
+  upstream names; ``loss_sum / num_tokens`` for cross_entropy, ``loss_sum`` otherwise),
+  ``loss_sum`` (Tinker's sum; for DPOLoss = ``loss``), ``num_tokens``, per-sample ``logprobs``
   (datum positions) and ``logps`` (input positions, upstream's name), ``elementwise_loss``,
   ``metrics``.
 * Row labels follow the explicit ``label_format``: "rolled" (default: upstream's template already
