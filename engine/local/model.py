@@ -55,6 +55,7 @@ from engine.local.metrics import make_metric
 from engine.local.model_checkpoints import DEFAULT_ADAPTER, CheckpointMethods
 from engine.local.passes import run_pass
 from engine.local.training_config import (
+    UPSTREAM_MEAN,
     check_clip,
     make_schedule,
     optimizer_config,
@@ -377,14 +378,16 @@ class MultiLoraTransformersModel(CheckpointMethods):
         self, is_training: bool = True, *, adapter_name: str = DEFAULT_ADAPTER
     ) -> dict[str, float | None]:
         """Metrics since the last call for training (forward_backward/backward) or evaluation
-        (forward_only) passes, then reset: loss (weighted-token mean for cross_entropy, mean per
-        batch otherwise), loss_sum, num_tokens, num_sequences, num_batches, grad_norm (mean over
-        applied steps, None if none), lr (current), step (applied optimizer steps), and the
-        figures of the metrics added with `add_metric`."""
+        (forward_only) passes, then reset: loss (weighted-token mean for Tinker's cross_entropy,
+        mean per batch otherwise), loss_sum, num_tokens, num_sequences, num_batches, grad_norm
+        (mean over applied steps, None if none), lr (current), step (applied optimizer steps),
+        and the figures of the metrics added with `add_metric`."""
         st = self._st(adapter_name)
         acc = st.train if is_training else st.eval
+        # upstream's mean reductions report the mean of the calls' losses, as upstream's LossMetric
+        upstream_mean = float(st.loss[2].get(UPSTREAM_MEAN, 0.0)) > 0
         out = {
-            **acc.summary(token_mean=st.loss[1] == "cross_entropy"),
+            **acc.summary(token_mean=st.loss[1] == "cross_entropy" and not upstream_mean),
             "lr": st.lr(),
             "step": st.opt_steps,
         }
