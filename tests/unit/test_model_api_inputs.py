@@ -138,11 +138,16 @@ def test_lora_configs_and_loss_mapping(tiny_model_dir: Path) -> None:
     m.set_loss("GRPOLoss", epsilon=0.2, adapter_name="peft")
     loss = m.get_train_configs(adapter_name="peft")["loss"]
     assert loss["loss_fn"] == "ppo"
-    assert loss["config"] == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    assert loss["config"] == pytest.approx(
+        {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "upstream_mean": 1.0}
+    )  # upstream_mean: upstream's reduction (tests/unit/test_upstream_reductions.py)
     m.set_loss(torch.nn.CrossEntropyLoss(), adapter_name="peft")
     assert m.get_train_configs(adapter_name="peft")["loss"]["loss_fn"] == "cross_entropy"
     m.set_loss("DPOLoss", beta=0.2, adapter_name="peft")
-    assert m.get_train_configs(adapter_name="peft")["loss"]["config"] == {"beta": 0.2}
+    assert m.get_train_configs(adapter_name="peft")["loss"]["config"] == {
+        "beta": 0.2,
+        "upstream_mean": 1.0,
+    }
     with pytest.raises(UserInputError, match="beta"):
         m.set_loss("GRPOLoss", beta=0.04, adapter_name="peft")
 
@@ -168,7 +173,10 @@ def test_policy_gradient_losses(tiny_model_dir: Path, seqs, loss, kw) -> None:
     ]
     m.set_loss(loss, **kw)
     out = m.forward_backward(batch, label_format="hf")
-    assert math.isfinite(out["loss"]) and out["loss"] == out["loss_sum"]
+    if loss == "GRPOLoss":  # upstream's reduction: ratio 1, mean over sequences of mean(-A)
+        assert out["loss"] == pytest.approx(-(1.0 - 0.5) / 2, abs=1e-5)
+    else:
+        assert math.isfinite(out["loss"]) and out["loss"] == out["loss_sum"]
     assert m.step()["grad_norm"] > 0
 
 
