@@ -12,7 +12,13 @@ from typing import Any
 
 from engine.errors import CheckpointError, UserInputError
 from engine.local.inputs import Batch
-from engine.local.training_config import LrSchedule, OptimizerConfig, make_schedule
+from engine.local.training_config import (
+    UPSTREAM_MEAN,
+    LrSchedule,
+    OptimizerConfig,
+    is_upstream_mean,
+    make_schedule,
+)
 from engine.protocol import LoraSpec, spec_target_modules
 
 #: written next to the PEFT files by `save` (not part of the backend's manifest)
@@ -134,6 +140,8 @@ class AdapterState:
             schedule = make_schedule(sched["name"], {k: v for k, v in sched.items() if k != "name"})
         self.gas, self.optim, self.schedule = gas, optim, schedule
         self.loss = (str(loss["name"]), str(loss["loss_fn"]), dict(loss["config"]))
+        if is_upstream_mean(self.loss[0]):  # written before upstream_mean existed: the default
+            self.loss[2].setdefault(UPSTREAM_MEAN, 1.0)
         self.sched_t = int(cfg["lr_scheduler_position"])
         self.opt_steps = int(cfg["optimizer_steps"])
         self.consumed_train_samples = int(cfg.get("consumed_train_samples", 0))

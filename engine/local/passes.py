@@ -20,7 +20,8 @@ Result of every pass (lists and floats only, so it crosses HTTP as is)::
                       is defined: dropped padding, and position 0 for label_format 'hf') - what
                       ``ref_outputs`` reads back, as upstream's ``logps``
     elementwise_loss  per sample per-token loss (None for dpo)
-    metrics           the backend's metrics (``loss:sum``, ``dpo_*:mean`` ...)
+    metrics           the backend's metrics (``loss:sum``, ``dpo_*:mean`` ...); for the
+                      upstream names ``loss:sum`` is ``loss`` (the backend's is scaled)
 """
 
 from __future__ import annotations
@@ -161,10 +162,12 @@ def pass_result(
     n_tok = weighted_tokens(batch.data)
     logprobs = [o.get("logprobs") for o in out.outputs]
     elementwise = [o.get("elementwise_loss") for o in out.outputs]
+    metrics = {k: float(v) for k, v in out.metrics.items()}
     if scales is None:
         loss = loss_sum / n_tok if loss_fn == "cross_entropy" and n_tok > 0 else loss_sum
     else:  # upstream's value; per-token losses and loss_sum unscaled (Tinker's sums)
         loss = loss_sum * k
+        metrics["loss:sum"] = loss
         elementwise = [
             e if e is None or c <= 0 else np.asarray(e, dtype=np.float64) / c
             for e, c in zip(elementwise, scales, strict=True)
@@ -180,7 +183,7 @@ def pass_result(
         "logprobs": [_floats(lp) for lp in logprobs],
         "logps": aligned_logps(batch, logprobs),
         "elementwise_loss": [_floats(e) for e in elementwise],
-        "metrics": {k: float(v) for k, v in out.metrics.items()},
+        "metrics": metrics,
     }
 
 

@@ -69,6 +69,11 @@ CE_REDUCTIONS = ("mean", "sum")
 DPO_LOSS_TYPES = ("sigmoid",)
 
 
+def is_upstream_mean(name: str) -> bool:
+    """``name`` is an upstream class whose reduction the model reproduces (`resolve_loss`)."""
+    return _norm(name) in UPSTREAM_MEAN_LOSSES
+
+
 def _pop_fixed(kw: dict, cls: str, key: str, allowed: Any, why: str) -> None:
     """Accept an upstream argument only at the value our loss implements."""
     if key in kw:

@@ -290,3 +290,21 @@ def test_dpo_mean_reduction_is_exact_over_slices(model, seqs) -> None:
         for p, _ in parts
     ]
     assert sum(a.metrics["loss:sum"] for a in alone) > 1.5 * whole
+
+
+def test_reported_metrics_and_configs_saved_before_upstream_mean(model, seqs) -> None:
+    name = adapter(model, seed=11, gradient_accumulation_steps=2)
+    model.set_loss("CrossEntropyLoss", adapter_name=name)
+    calls = [[row(seqs[0], 3)], [row(seqs[1], 3), row(seqs[2], 3)]]
+    outs = [model.forward_backward(b, adapter_name=name) for b in calls]
+    for out in outs:  # metrics' loss:sum is upstream's value too, not the scaled backend sum
+        assert out["metrics"]["loss:sum"] == out["loss"]
+    # calculate_metric: the mean of the calls' losses, as upstream's LossMetric
+    got = model.calculate_metric(is_training=True, adapter_name=name)["loss"]
+    assert got == pytest.approx((outs[0]["loss"] + outs[1]["loss"]) / 2)
+    # a train config written before upstream_mean existed restores upstream's default reduction
+    st = model._st(name)
+    cfg = st.train_config()
+    cfg["loss"] = {"name": "CrossEntropyLoss", "loss_fn": "cross_entropy", "config": {}}
+    st.restore_train_config(cfg)
+    assert st.loss[2] == {"upstream_mean": 1.0}
