@@ -118,7 +118,8 @@ def assert_grad(m, name: str, want: dict[str, torch.Tensor]) -> None:
     assert norm == pytest.approx(float(ref.norm()), rel=GRAD_TOL)
 
 
-def assert_value(got: float, want: float) -> None:
+def assert_value(got: float, want: float | torch.Tensor) -> None:
+    want = float(want.detach()) if isinstance(want, torch.Tensor) else float(want)
     assert abs(got - want) <= VALUE_TOL * max(1.0, abs(want)), (got, want)
 
 
@@ -140,7 +141,7 @@ def test_cross_entropy_loss_token_mean_with_accumulation(model, seqs, base64) ->
         parts = [ref.logps(r) for r in batch]
         n = sum(float(mask.sum()) for _, mask in parts)
         mean = sum(-(lp * mask).sum() for lp, mask in parts) / n  # upstream: per-call token mean
-        assert_value(out["loss"], float(mean.detach()))
+        assert_value(out["loss"], mean.detach())
         # loss_sum / num_tokens stay Tinker's sum and token count
         assert out["num_tokens"] == n
         assert_value(out["loss_sum"], float(mean.detach()) * n)
@@ -156,8 +157,8 @@ def test_cross_entropy_loss_token_mean_with_accumulation(model, seqs, base64) ->
         out = model.forward_backward(calls[0], adapter_name=name)
         parts = [ref.logps(r) for r in calls[0]]
         s = sum(-(lp * mask).sum() for lp, mask in parts)
-        assert_value(out["loss_sum"], float(s))
-        assert_value(out["loss"], float(s) / out["num_tokens"])
+        assert_value(out["loss_sum"], s)
+        assert_value(out["loss"], s / out["num_tokens"])
         assert_grad(model, name, ref.grad_of(s))
     with pytest.raises(Exception, match="reduction 'none'"):
         model.set_loss("CrossEntropyLoss", reduction="none", adapter_name=name)
@@ -199,8 +200,8 @@ def test_grpo_loss_sequence_mean_then_batch_mean(model, seqs, base64) -> None:
     out = model.forward_backward(rows, adapter_name=name, advantages=adv, old_logps=old)
     per = _ppo_per_token(ref, rows, old, adv)
     want = sum(p.sum() / m.sum() for p, m in per) / len(per)
-    assert_value(out["loss"], float(want))
-    assert_value(out["loss_sum"], float(sum(p.sum() for p, _ in per)))  # Tinker's sum
+    assert_value(out["loss"], want)
+    assert_value(out["loss_sum"], sum(p.sum() for p, _ in per))  # Tinker's sum
     for e, (p, _) in zip(out["elementwise_loss"], per, strict=True):  # unscaled per-token
         np.testing.assert_allclose(e, p.detach().numpy(), atol=1e-5)
     assert_grad(model, name, ref.grad_of(want))
@@ -210,7 +211,7 @@ def test_grpo_loss_sequence_mean_then_batch_mean(model, seqs, base64) -> None:
     model.set_loss("ppo", adapter_name=name)
     out = model.forward_backward(rows, adapter_name=name, advantages=adv, old_logps=old)
     total = sum(p.sum() for p, _ in per)
-    assert_value(out["loss"], float(total))
+    assert_value(out["loss"], total)
     assert_grad(model, name, ref.grad_of(total))
 
 
@@ -244,7 +245,7 @@ def test_dpo_loss_pair_mean_and_chosen_token_mean(model, seqs, base64) -> None:
         base_out = model.forward_only(pairs, adapter_name=name, disable_lora=True)
         out = model.forward_backward(pairs, adapter_name=name, ref_outputs=base_out)
         want = _dpo_ref(ref, pairs, base_out["logps"], 0.1, 0.5, mean=True)
-        assert_value(out["loss"], float(want))
+        assert_value(out["loss"], want)
         assert out["loss_sum"] == out["loss"]
         assert abs(out["metrics"]["dpo_margin:mean"]) > 1e-4  # not vacuous: policy != reference
         total = total + want / len(calls)
@@ -257,7 +258,7 @@ def test_dpo_loss_pair_mean_and_chosen_token_mean(model, seqs, base64) -> None:
     base_out = model.forward_only(pairs, adapter_name=name, disable_lora=True)
     out = model.forward_backward(pairs, adapter_name=name, ref_outputs=base_out)
     want = _dpo_ref(ref, pairs, base_out["logps"], 0.1, 0.5, mean=False)
-    assert_value(out["loss"], float(want))
+    assert_value(out["loss"], want)
     assert_grad(model, name, ref.grad_of(want))
 
 
