@@ -1,5 +1,7 @@
-"""`Dataset` and `DatasetMeta`: rows loaded on the client, transformed by preprocessors, encoded
-through the server's templates.
+"""`Dataset`, `LazyDataset` and `DatasetMeta`: rows loaded on the client, transformed by
+preprocessors, encoded through the server's templates, with upstream's calls
+(``Dataset(dataset_meta=DatasetMeta(path, data_slice=range(n)))``, ``set_template(name,
+model_id=..., max_length=...)``, ``map(name_or_class, init_args=...)``, ``encode(batched=True)``).
 
 Sources: local ``.jsonl``, ``.json`` (a list of rows, or ``{"data": [...]}``), ``.csv`` and
 ``.parquet`` (needs the ``parquet`` extra: pyarrow). ``ms://`` (ModelScope) and ``hf://``
