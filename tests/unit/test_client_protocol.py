@@ -272,6 +272,9 @@ def test_sampler_routes_bodies_and_results(client, fake):
     ]
     sampler.sample([traj])
     assert "adapter_uri" not in fake.last(f"{S}/sample").body  # only sent when given
+    deltas = list(sampler.sample_stream(traj, {"max_tokens": 4}))
+    assert "".join(d["delta"] for d in deltas) == "answer" and deltas[-1]["finish_reason"] == "stop"
+    assert fake.last(f"{S}/sample_stream").body["inputs"] == [traj]
     torch_sampler = TorchSampler(MODEL)
     torch_sampler.add_adapter_to_sampler("a", {"r": 4})
     assert fake.last(f"{S}/add_adapter_to_sampler").body == {
