@@ -543,3 +543,53 @@ def test_our_cookbook_scripts_run_against_the_fake(fake, monkeypatch, name):
         assert len(out["steps"]) == 2 and out["steps"][0]["step"] == 1
         body = fake.last(f"{M}/forward_backward").body
         assert len(body["inputs"]) == len(body["advantages"]) == len(body["old_logps"]) == 4
+
+
+def test_over_real_http_as_the_cookbook_calls_it(fake):
+    """No transport injected: ``init_twinkle_client(base_url, api_key)`` against a local HTTP
+    server wrapping the fake (headers with underscores included, as sent on the wire)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self):
+            n = int(self.headers.get("content-length") or 0)
+            req = httpx.Request(
+                self.command,
+                f"{BASE_URL}{self.path}",
+                headers=list(self.headers.items()),
+                content=self.rfile.read(n),
+            )
+            resp = fake.handle(req)
+            self.send_response(resp.status_code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(resp.content)))
+            self.end_headers()
+            self.wfile.write(resp.content)
+
+        do_GET = do_POST = do_DELETE = _serve
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = init_twinkle_client(
+            base_url=f"http://127.0.0.1:{server.server_address[1]}", api_key=API_KEY
+        )
+        model = MultiLoraTransformersModel(model_id=f"ms://{MODEL}")
+        model.add_adapter_to_model("default", {"r": 8}, gradient_accumulation_steps=2)
+        assert model.forward_backward(inputs=[{"input_ids": [1, 2]}]).result["loss"] == 1.25
+        assert model.save(name="x").twinkle_path == "twinkle://run-1/weights/x"
+        client.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    call = fake.last(f"{M}/forward_backward")
+    assert call.headers["serve_multiplexed_model_id"] == REQUEST_ID
+    assert call.headers["Serve-Multiplexed-Model-Id"] == REQUEST_ID
+    assert call.headers["x-twinkle-session-id"] == "sess-1"
+    assert call.headers["twinkle-authorization"] == f"Bearer {API_KEY}"
