@@ -172,7 +172,8 @@ class FakeServer:
                 feature = {
                     **{key: v for key, v in inp.items() if key != "input_ids"},
                     "input_ids": prompt + tokens,
-                    "labels": [-100] * (len(prompt) - 1) + tokens + [-100],
+                    # rolled: the prompt's trained positions are kept, then the completion
+                    "labels": (inp.get("labels") or [-100] * len(prompt))[:-1] + tokens + [-100],
                     "messages": [
                         *inp.get("messages", []),
                         {"role": "assistant", "content": f"answer {j}"},

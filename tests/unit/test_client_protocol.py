@@ -593,3 +593,54 @@ def test_over_real_http_as_the_cookbook_calls_it(fake):
     assert call.headers["Serve-Multiplexed-Model-Id"] == REQUEST_ID
     assert call.headers["x-twinkle-session-id"] == "sess-1"
     assert call.headers["twinkle-authorization"] == f"Bearer {API_KEY}"
+
+
+def test_client_multi_turn_rollout_with_tools(client, fake):
+    """upstream's multi_turn_rollout cookbook: ClientMultiTurnRollout(sampler, template,
+    tool_manager, sampling_params, max_turns) over HTTP; a tool turn is bridged, then the
+    assistant answers; logprobs stay aligned with the trainable labels."""
+    from twinkle_client.rollout import ClientMultiTurnRollout
+    from twinkle_client.template import Qwen3_5Template
+
+    calls = []
+
+    class ToolTemplate(Qwen3_5Template):
+        def parse_tool_call(self, text):  # the first answer of each trajectory calls a tool
+            calls.append(text)
+            return [{"name": "calc", "arguments": "{}"}] if len(calls) <= 2 else []
+
+    def bridge(feature, tool_messages, template):
+        assert template is tpl and tool_messages == [{"role": "tool", "content": "42"}]
+        return {
+            **feature,
+            "input_ids": feature["input_ids"] + [9, 9],
+            "labels": feature["labels"] + [-100, -100],
+            "messages": [*feature["messages"], *tool_messages],
+        }
+
+    tpl = ToolTemplate(MODEL)
+    sampler = vLLMSampler(model_id=MODEL)
+    rollout = ClientMultiTurnRollout(
+        sampler,
+        tpl,
+        tool_manager=lambda call: "42",
+        sampling_params={"max_tokens": 8, "num_samples": 1, "logprobs": 1},
+        max_turns=3,
+        bridge=bridge,
+    )
+    trajs = [{"messages": [{"role": "user", "content": f"q{i}"}], "id": i} for i in range(2)]
+    out = rollout(trajs)
+    assert [o["id"] for o in out] == [0, 1] and [o["turns"] for o in out] == [2, 2]
+    assert all(o["stop_reason"] == "stop" and not o["truncated"] for o in out)
+    assert len(out[0]["logprobs"]) == 6 == sum(lab != -100 for lab in out[0]["labels"])
+    assert [m["role"] for m in out[0]["messages"]][-3:] == ["assistant", "tool", "assistant"]
+    second = fake.calls(f"{S}/sample")[1].body
+    assert second["inputs"][0]["input_ids"][-5:] == [50, 51, 2, 9, 9]  # bridged, then resampled
+    capped = ClientMultiTurnRollout(
+        sampler, ToolTemplate(MODEL), tool_manager=lambda c: "42", max_turns=1, bridge=bridge
+    )
+    calls.clear()
+    (one,) = capped(trajs[:1])
+    assert one["truncated"] and one["stop_reason"] == "max_turns"
+    with pytest.raises(ValueError, match="num_samples"):
+        ClientMultiTurnRollout(sampler, tpl, sampling_params={"num_samples": 2})
