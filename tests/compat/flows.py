@@ -6,7 +6,7 @@ see shared docs twinkle-native-protocol.md), on our own small data, so that CI (
 upstream checkout) runs them with upstream's real client. Each flow prints one line
 ``RESULT <json>`` that tests/e2e/test_upstream_client.py checks and compares across clients.
 
-    python flows.py {labels|sft|dpo|grpo|tenant} [--other-key KEY]
+    python flows.py {labels|sft|dpo|grpo|tinker_dpo|tenant} [--other-key KEY]
 
 Environment: TWINKLE_SERVER_URL, TWINKLE_SERVER_TOKEN, TWINKLE_MODEL_ID_ALIASES (maps
 ``ms://twinkle/tiny-chat`` to the tiny model's folder, so upstream's client-side Template loads
@@ -199,6 +199,36 @@ def flow_grpo() -> None:
     out(steps=steps, ours=OURS)
 
 
+def flow_tinker_dpo() -> None:
+    """Upstream's Tinker DPO convention through its patched tinker 0.16.1 (cookbook
+    tinker/dpo.py): reference logprobs from forward(disable_lora) attached as ``ref_logps``, then
+    forward_backward('importance_sampling', loss_fn_config={'dpo_beta', 'dpo_sft_weight'})."""
+    from tinker import types
+    from twinkle import init_tinker_client
+    from twinkle.server.common.datum import input_feature_to_datum
+
+    init_tinker_client()
+    from tinker import ServiceClient
+
+    service = ServiceClient(
+        base_url=os.environ["TWINKLE_SERVER_URL"], api_key=os.environ["TWINKLE_SERVER_TOKEN"]
+    )
+    tc = service.create_lora_training_client(base_model=BASE, rank=8)
+    rows = _pairs()
+    losses, metrics = [], []
+    for _ in range(3):
+        datums = [input_feature_to_datum(r) for r in rows]
+        ref = tc.forward(datums, "cross_entropy", loss_fn_config={"disable_lora": True}).result()
+        for d, o in zip(datums, ref.loss_fn_outputs, strict=True):
+            d.loss_fn_inputs["ref_logps"] = types.TensorData.from_numpy(o["logprobs"].to_numpy())
+        config = {"dpo_beta": 0.1, "dpo_sft_weight": 1.0}
+        fb = tc.forward_backward(datums, "importance_sampling", loss_fn_config=config).result()
+        tc.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+        losses.append(float(fb.metrics["loss:sum"]))
+        metrics.append({k: float(v) for k, v in fb.metrics.items()})
+    out(losses=losses, metrics=metrics)
+
+
 def _status(exc: BaseException) -> int | None:
     resp = getattr(exc, "response", None)
     return getattr(resp, "status_code", None) or getattr(exc, "status_code", None)
@@ -253,4 +283,6 @@ if __name__ == "__main__":
     if name == "tenant":
         flow_tenant(sys.argv[sys.argv.index("--other-key") + 1])
     else:
-        {"labels": flow_labels, "sft": flow_sft, "dpo": flow_dpo, "grpo": flow_grpo}[name]()
+        flows = {"labels": flow_labels, "sft": flow_sft, "dpo": flow_dpo, "grpo": flow_grpo}
+        flows["tinker_dpo"] = flow_tinker_dpo
+        flows[name]()

@@ -8,7 +8,8 @@ Checks, each through both clients:
 * labels: an upstream-encoded batch (rolled labels) gives, through the native route, the loss
   of upstream's own Tinker conversion through our Tinker route (1e-5 relative);
 * SFT: losses equal between upstream's client and ours on the same data (1e-5), and fall;
-* DPO and GRPO train: loss and metrics move (rewards are not all zero);
+* DPO and GRPO train: loss and metrics move (rewards are not all zero); so does upstream's Tinker
+  DPO convention through its patched tinker 0.16.1;
 * tenants: another user's checkpoint or session answers 404 (load, resume, sample, create).
 """
 
@@ -116,3 +117,12 @@ def test_grpo_trains(run_flow, client):
 def test_other_users_checkpoints_and_sessions_are_404(run_flow, client):
     results = run_flow("tenant", client)["results"]
     assert results == {"load": "404", "resume": "404", "sample": "404", "session": "404"}
+
+
+@pytest.mark.parametrize("client", ["upstream", "ours"])
+def test_tinker_dpo_convention_trains(run_flow, client):
+    """upstream's tinker/dpo.py: importance_sampling + dpo_* + ref_logps runs DPO."""
+    r = run_flow("tinker_dpo", client)
+    assert r["losses"][-1] < r["losses"][0]
+    assert r["metrics"][0]["dpo_margin:mean"] == pytest.approx(0.0, abs=1e-6)
+    assert r["metrics"][-1]["dpo_margin:mean"] > 0

@@ -24,6 +24,7 @@ from tests.compat.venv import CompatVenvUnavailable, compat_python
 
 pytestmark = pytest.mark.e2e
 
+
 def _script_text(script_id: str) -> str:
     try:
         return fetch_script(script_id)[0]
