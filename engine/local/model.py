@@ -19,8 +19,10 @@ Documented choices (they differ from upstream where the engine follows Tinker):
   ``metrics``.
 * Row labels follow the explicit ``label_format``: "rolled" (default: upstream's template already
   rolled them) or "hf" (shifted here); see `engine.local.inputs`.
-* Losses are the backend's (cross_entropy, importance_sampling, ppo, cispo, dro, dpo); upstream
-  names map onto them (`engine.local.training_config.resolve_loss`); metrics are an allow-list
+* Losses are the backend's (cross_entropy, importance_sampling, ppo, cispo, dro, dpo, and
+  infonce for embedding training: ``set_loss('InfonceLoss', ...)`` with
+  ``forward_backward(..., task='embedding')``, see `engine.local.passes`); upstream names map
+  onto them (`engine.local.training_config.resolve_loss`); metrics are an allow-list
   (`engine.local.metrics`). Adam is AdamW with weight_decay 0 (torch's Adam defaults).
 * The backend fuses forward, loss and backward: `forward` runs without gradient and caches its
   inputs, `calculate_loss` returns that forward's loss, `backward` runs forward_backward on the
@@ -215,8 +217,10 @@ class MultiLoraTransformersModel(CheckpointMethods):
         "hf": shifted by one, see `engine.local.inputs`). Per sample: ``advantages`` (a float, or
         per-token), ``old_logps`` (the sampler's log-probs of the trained positions, or one per
         input position), ``ref_outputs`` (a forward_only result: its ``logps`` are the DPO
-        reference). ``task``: None or 'causal_lm' ('embedding': not supported yet). ``loss_kwargs``
-        override the set_loss config for this call only. Result: see `engine.local.passes`."""
+        reference). ``task``: None or 'causal_lm', or 'embedding' (exactly with InfonceLoss: rows
+        ``{input_ids, attention_mask, labels: [1] anchor / [0] its positive or a negative}``,
+        groups anchor, positive, negatives...). ``loss_kwargs`` override the set_loss config for
+        this call only. Result: see `engine.local.passes`."""
         call = _call_args(label_format, advantages, old_logps, ref_outputs, task)
         return self._pass(adapter_name, inputs, call, loss_kwargs, "train")
 
@@ -355,8 +359,8 @@ class MultiLoraTransformersModel(CheckpointMethods):
         is_training: bool | None = None,
         **kwargs,
     ) -> None:
-        """Add a metric (`engine.local.metrics`: DPOMetric(beta); LossMetric / TrainMetric add
-        nothing) to the training passes (``is_training`` True), the evaluation passes (False) or
+        """Add a metric (`engine.local.metrics`: DPOMetric(beta), EmbeddingMetric; LossMetric /
+        TrainMetric add nothing) to the training passes (``is_training`` True), the evaluation passes (False) or
         both (None); calculate_metric reports it."""
         st = self._st(adapter_name)
         for training in (True, False):
