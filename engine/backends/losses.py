@@ -292,9 +292,7 @@ def parse_config(
         raise UserInputError(f"loss_fn_config.beta: {cfg['beta']} must be >= 0")
     if spec.name == "infonce":
         if cfg["temperature"] <= 0:
-            raise UserInputError(
-                f"loss_fn_config.temperature: {cfg['temperature']} must be > 0"
-            )
+            raise UserInputError(f"loss_fn_config.temperature: {cfg['temperature']} must be > 0")
         if cfg["use_batch"] not in (0.0, 1.0):
             raise UserInputError(f"loss_fn_config.use_batch: {cfg['use_batch']} must be 1 or 0")
     if spec.name == "dpo":
@@ -380,7 +378,6 @@ def embedding_loss(
         outputs[i] = {"embedding": e[k].copy()}
     metrics.add("loss:sum", float(loss.detach()))
     return loss
-
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:

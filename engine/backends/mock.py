@@ -211,7 +211,9 @@ class MockTrainingBackend(TrainingBackend):
     def _infonce(self, w: np.ndarray, inp: ForwardBackwardInput):
         """(outputs, loss, d loss / d w) of the toy InfoNCE (module doc)."""
         rows, temp, use_batch = self._embedding_request(inp)
-        u = np.stack([np.cos(0.37 * np.outer(np.arange(1, DIM + 1), t + 1)).sum(1) for t, _ in rows])
+        u = np.stack(
+            [np.cos(0.37 * np.outer(np.arange(1, DIM + 1), t + 1)).sum(1) for t, _ in rows]
+        )
         u /= np.linalg.norm(u, axis=1, keepdims=True) + 1e-12
         e = u + w
         starts = [i for i, (_, a) in enumerate(rows) if a]

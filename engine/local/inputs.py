@@ -300,7 +300,9 @@ def embedding_row(item: Any, field: str) -> DatumInput:
             "positive)"
         )
     anchor = _anchor_flag(item["labels"], f"{field}.labels")
-    return DatumInput(tokens=ids.tolist(), loss_fn_inputs={"anchor": np.array([anchor], np.float32)})
+    return DatumInput(
+        tokens=ids.tolist(), loss_fn_inputs={"anchor": np.array([anchor], np.float32)}
+    )
 
 
 def embedding_batch(inputs: Any) -> Batch:
@@ -309,7 +311,11 @@ def embedding_batch(inputs: Any) -> Batch:
     if isinstance(inputs, Batch):
         return inputs
     if isinstance(inputs, (DatumInput, Mapping)):
-        if isinstance(inputs, Mapping) and "input_ids" in inputs and _is_nested(inputs["input_ids"]):
+        if (
+            isinstance(inputs, Mapping)
+            and "input_ids" in inputs
+            and _is_nested(inputs["input_ids"])
+        ):
             inputs = _split_row_batch(inputs)
         else:
             inputs = [inputs]

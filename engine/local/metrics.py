@@ -163,9 +163,7 @@ class EmbeddingMetric:
         return out
 
 
-def make_metric(
-    metric_cls: Any, kwargs: dict[str, Any]
-) -> DPOMetric | EmbeddingMetric | None:
+def make_metric(metric_cls: Any, kwargs: dict[str, Any]) -> DPOMetric | EmbeddingMetric | None:
     """The metric for ``metric_cls`` (a name, class or instance); None for the built-in ones."""
     name = metric_cls if isinstance(metric_cls, str) else getattr(metric_cls, "__name__", None)
     if name is None:

@@ -360,8 +360,8 @@ class MultiLoraTransformersModel(CheckpointMethods):
         **kwargs,
     ) -> None:
         """Add a metric (`engine.local.metrics`: DPOMetric(beta), EmbeddingMetric; LossMetric /
-        TrainMetric add nothing) to the training passes (``is_training`` True), the evaluation passes (False) or
-        both (None); calculate_metric reports it."""
+        TrainMetric add nothing) to the training passes (``is_training`` True), the evaluation
+        passes (False) or both (None); calculate_metric reports it."""
         st = self._st(adapter_name)
         for training in (True, False):
             if is_training is None or bool(is_training) == training:
