@@ -312,3 +312,13 @@ def test_mock_infonce_gradient_is_exact() -> None:
     assert out.outputs[0]["embedding"].shape == (16,) and be.has_pending_grad("a")
     with pytest.raises(UserInputError, match="anchor"):
         be.validate_input(ForwardBackwardInput(_datums(rows[:2], [0, 1]), "infonce"))
+
+
+def test_embedding_requests_are_never_sliced() -> None:
+    from engine.scheduling.slicing import slice_input
+
+    rows = _token_rows(len(ANCHOR))
+    inp = ForwardBackwardInput(_datums(rows, ANCHOR), "infonce")
+    assert len(slice_input(inp, 4)) == 1
+    ce = [DatumInput(r, {"target_tokens": np.array(r), "weights": np.ones(len(r))}) for r in rows]
+    assert len(slice_input(ForwardBackwardInput(ce), 4)) == len(rows)  # token losses still are
