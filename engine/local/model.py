@@ -7,7 +7,8 @@ the same surface and a script switches between local and remote by changing an i
 
 Documented choices (they differ from upstream where the engine follows Tinker):
 
-* Losses are sums over weighted tokens (Tinker semantics), never means. Gradient accumulation
+* Losses are sums over weighted tokens (Tinker semantics), never means (except InfoNCE, a mean
+  over its groups as upstream's, see below). Gradient accumulation
   therefore sums: with ``gradient_accumulation_steps=k`` the optimizer runs on every k-th call of
   `step`, with the sum of the gradients of the forward_backward calls since the last applied step,
   which equals one step on the concatenated batch. Nothing is divided by k. Inside an accumulation
@@ -17,6 +18,15 @@ Documented choices (they differ from upstream where the engine follows Tinker):
   cross_entropy, ``loss_sum`` otherwise), ``loss_sum``, ``num_tokens``, per-sample ``logprobs``
   (datum positions) and ``logps`` (input positions, upstream's name), ``elementwise_loss``,
   ``metrics``.
+* Embedding training (``set_loss('InfonceLoss', temperature, use_batch, hard_negatives=None)``,
+  ``forward_backward(inputs, task='embedding')``, ``add_metric('EmbeddingMetric')``): rows carry
+  ``labels`` [1] (anchor, starts a group) / [0] (its positive, then optional negatives); each row
+  is pooled to the L2-normalised final hidden state (lm_head's input) at its last non-padding
+  token, as upstream's TransformersEmbeddingPatch + last-token pooling; the loss is upstream's
+  InfoNCE value (mean over groups, engine/backends/losses.py). Differences: with
+  gradient_accumulation_steps k > 1 the k per-call gradients are summed (upstream averages
+  them); ``hard_negatives`` only None; a request with no anchor, or an anchor without a
+  positive, is refused (upstream returns 0 / fails); no cross-device gathering (one device).
 * Row labels follow the explicit ``label_format``: "rolled" (default: upstream's template already
   rolled them) or "hf" (shifted here); see `engine.local.inputs`.
 * Losses are the backend's (cross_entropy, importance_sampling, ppo, cispo, dro, dpo, and

@@ -322,3 +322,18 @@ def test_embedding_requests_are_never_sliced() -> None:
     assert len(slice_input(inp, 4)) == 1
     ce = [DatumInput(r, {"target_tokens": np.array(r), "weights": np.ones(len(r))}) for r in rows]
     assert len(slice_input(ForwardBackwardInput(ce), 4)) == len(rows)  # token losses still are
+
+
+def test_fused_with_token_losses_equals_separate_calls(tiny_backend) -> None:
+    be = tiny_backend
+    rows = _token_rows(len(ANCHOR), seed=9)
+    emb = ForwardBackwardInput(_datums(rows, ANCHOR), "infonce", forward_only=True)
+    ce = ForwardBackwardInput(
+        [DatumInput(r[:-1], {"target_tokens": np.array(r[1:])}) for r in rows], forward_only=True
+    )
+    fused = be.forward_backward_many([("r2", emb), ("r4", ce), ("r8", emb)])
+    for (aid, inp), got in zip([("r2", emb), ("r4", ce), ("r8", emb)], fused, strict=True):
+        alone = be.forward_backward(aid, inp)
+        assert not isinstance(got, Exception)
+        assert got.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-5)
+    assert fused[0].metrics["loss:sum"] != pytest.approx(fused[2].metrics["loss:sum"])
