@@ -1,16 +1,19 @@
 """Embedding training over upstream Twinkle's native protocol, as its cookbook
 ``cookbook/client/twinkle/embedding.py`` drives it: ``set_loss('InfonceLoss')``,
 ``add_metric('EmbeddingMetric')``, ``forward_backward(task='embedding')`` on rows
-``{input_ids, attention_mask, labels: [1] anchor / [0] positive, position_ids}``; and Tinker's
-routes still refuse the embedding loss."""
+``{input_ids, attention_mask, labels: [1] anchor / [0] positive, position_ids}``; the same
+script through the real `twinkle_client` and in process gives equal losses and metrics; and
+Tinker's routes still refuse the embedding loss."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine.protocol import EMBEDDING_LOSS_FNS
 from gateway.errors import InvalidRequestError
 from tests.gateway.test_native_protocol import LORA, M, User
+from tests.twinkle_scripts import BASE, result
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +101,49 @@ def test_tinker_routes_do_not_offer_the_embedding_loss():
     )
     with pytest.raises(InvalidRequestError, match="'infonce' is not a Tinker loss"):
         decode_forward_backward(body)
+
+
+def embedding_script(MultiLoraTransformersModel, model_id: str, rows: list[dict], **kw) -> dict:
+    """Upstream's embedding cookbook, the model class a parameter (in process or remote)."""
+    model = MultiLoraTransformersModel(model_id, **kw)
+    name = "emb_adapter"
+    lora = {"r": 8, "lora_alpha": 32, "target_modules": "all-linear", "seed": 5}
+    model.add_adapter_to_model(name, lora)
+    model.set_processor("InputProcessor", adapter_name=name)
+    model.set_loss("InfonceLoss", temperature=0.07, use_batch=True, hard_negatives=None,
+                   adapter_name=name)  # fmt: skip
+    model.set_optimizer("Adam", lr=1e-3, adapter_name=name)
+    model.add_metric("EmbeddingMetric", is_training=True, adapter_name=name)
+    losses, metrics = [], []
+    for _ in range(3):
+        out = result(model.forward_backward(inputs=rows, task="embedding", adapter_name=name))
+        losses.append(out["loss"])
+        model.clip_grad_and_step(max_grad_norm=1.0, adapter_name=name)
+        metrics.append(result(model.calculate_metric(is_training=True, adapter_name=name)))
+    return {"losses": losses, "metrics": metrics, "embeddings": out["embeddings"]}
+
+
+def test_same_script_in_process_and_remote(env, tmp_path):
+    import twinkle_client
+    from engine.base_models.registry import resolve_model_dir
+    from engine.local.model import MultiLoraTransformersModel as LocalModel
+    from tests.gateway.test_twinkle_api import _Transport
+    from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
+
+    gw, _ = env
+    client = twinkle_client.TwinkleClient(
+        "http://testserver",
+        gw.key("carol"),
+        transport=_Transport(gw.client._transport),
+        session_heartbeat_interval=None,
+    )
+    rows = _pairs(3)
+    local = embedding_script(LocalModel, str(resolve_model_dir(BASE, gw.data)), rows,
+                             data_dir=tmp_path)  # fmt: skip
+    remote = embedding_script(RemoteModel, BASE, rows, client=client)
+    np.testing.assert_allclose(remote["losses"], local["losses"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(remote["embeddings"], local["embeddings"], atol=1e-5)
+    assert remote["losses"][-1] < remote["losses"][0]
+    for r, lo in zip(remote["metrics"], local["metrics"], strict=True):
+        for key in ("pos_sim", "pos_sim_min", "pos_sim_max", "neg_sim", "loss"):
+            assert r[key] == pytest.approx(lo[key], rel=1e-5, abs=1e-6), key
