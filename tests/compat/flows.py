@@ -6,7 +6,7 @@ see shared docs twinkle-native-protocol.md), on our own small data, so that CI (
 upstream checkout) runs them with upstream's real client. Each flow prints one line
 ``RESULT <json>`` that tests/e2e/test_upstream_client.py checks and compares across clients.
 
-    python flows.py {labels|sft|dpo|grpo|tinker_dpo|tenant} [--other-key KEY]
+    python flows.py {labels|sft|dpo|grpo|tinker_dpo|embedding|tenant} [--other-key KEY]
 
 Environment: TWINKLE_SERVER_URL, TWINKLE_SERVER_TOKEN, TWINKLE_MODEL_ID_ALIASES (maps
 ``ms://twinkle/tiny-chat`` to the tiny model's folder, so upstream's client-side Template loads
@@ -229,6 +229,41 @@ def flow_tinker_dpo() -> None:
     out(losses=losses, metrics=metrics)
 
 
+PAIRS = [
+    ("What is the capital of France?", "Paris is the capital city of France."),
+    ("How do plants make food?", "Plants use photosynthesis to make food from sunlight."),
+    ("Who wrote Hamlet?", "William Shakespeare wrote the tragedy Hamlet."),
+]
+
+
+def flow_embedding() -> None:
+    """upstream's embedding.py: InfoNCE on interleaved (anchor, positive) rows, task='embedding'."""
+    from twinkle.template import Template
+
+    client()
+    model = MultiLoraTransformersModel(model_id=MODEL_ID)
+    model.add_adapter_to_model("emb_adapter", LoraConfig(target_modules="all-linear"))
+    model.set_template("Qwen3_5Template", model_id=MODEL_ID)
+    model.set_processor("InputProcessor")
+    model.set_loss("InfonceLoss", temperature=0.07, use_batch=True, hard_negatives=None)
+    model.set_optimizer("Adam", lr=1e-3)
+    model.add_metric("EmbeddingMetric", is_training=True)
+    tok = Template(model_id=MODEL_ID, max_length=512).tokenizer
+    rows = []
+    for anchor, positive in PAIRS:
+        for text, is_anchor in ((anchor, True), (positive, False)):
+            ids = list(tok.encode(text, add_special_tokens=True))
+            n, label = len(ids), [1 if is_anchor else 0]
+            rows.append({"input_ids": ids, "attention_mask": [1] * n, "labels": label,
+                         "position_ids": list(range(n))})  # fmt: skip
+    losses, metrics = [], []
+    for _ in range(4):
+        losses.append(result(model.forward_backward(inputs=rows, task="embedding"))["loss"])
+        model.clip_grad_and_step(max_grad_norm=1.0)
+        metrics.append(result(model.calculate_metric(is_training=True)))
+    out(losses=losses, metrics=metrics)
+
+
 def _status(exc: BaseException) -> int | None:
     resp = getattr(exc, "response", None)
     return getattr(resp, "status_code", None) or getattr(exc, "status_code", None)
@@ -284,5 +319,5 @@ if __name__ == "__main__":
         flow_tenant(sys.argv[sys.argv.index("--other-key") + 1])
     else:
         flows = {"labels": flow_labels, "sft": flow_sft, "dpo": flow_dpo, "grpo": flow_grpo}
-        flows["tinker_dpo"] = flow_tinker_dpo
+        flows.update(tinker_dpo=flow_tinker_dpo, embedding=flow_embedding)
         flows[name]()
