@@ -166,3 +166,38 @@ def test_bad_input_is_a_4xx_naming_the_field(env, path, body, status, words):
         assert w in r.text, r.text
     # the server keeps serving
     assert a.post(f"{M}/create")["status"] == "ok"
+
+
+def test_training_tokens_are_metered_and_rate_limited(make_gateway):
+    from sqlmodel import Session, select
+
+    from gateway.db import make_engine
+    from gateway.db.tables import UsageBucketRow
+    from tests.gateway.harness import set_quota
+
+    gw = make_gateway()
+    u = User(gw.client, gw.key("carol"))
+    u.post(f"{M}/create")
+    u.post(f"{M}/add_adapter_to_model", {"adapter_name": "default", "config": LORA})
+    u.post(f"{M}/forward_backward", {"inputs": _rows(2), "adapter_name": "default"})
+    with Session(make_engine(gw.db_url)) as s:
+        rows = s.exec(select(UsageBucketRow).where(UsageBucketRow.kind == "training")).all()
+    assert sum(r.quantity for r in rows) == 16  # two rows of 8 input tokens
+    # the training-token rate of the Tinker routes holds here too: 429 + retry-after
+    set_quota(gw.db_url, "user", "carol", "train_tokens_per_minute", 20)
+    r = u.post(f"{M}/forward_backward", {"inputs": _rows(3), "adapter_name": "default"}, ok=False)
+    assert r.status_code in (403, 429), r.text
+    assert "train_tokens_per_minute" in r.text
+
+
+def test_either_auth_header_and_hub_prefixes(env):
+    gw, a, _ = env
+    for path in (
+        f"/api/v1/model/ms://{BASE}/twinkle/create",
+        f"/api/v1/model/hf://{BASE}/twinkle/create",
+    ):
+        h = {"Twinkle-Authorization": f"Bearer {a.key}", "X-Twinkle-Session-Id": a.session}
+        r = gw.client.post(path, json={}, headers=h)
+        assert r.status_code == 200, r.text
+    r = gw.client.post(f"{M}/create", json={}, headers={"X-Twinkle-Session-Id": a.session})
+    assert r.status_code == 401
