@@ -201,3 +201,22 @@ def test_either_auth_header_and_hub_prefixes(env):
         assert r.status_code == 200, r.text
     r = gw.client.post(f"{M}/create", json={}, headers={"X-Twinkle-Session-Id": a.session})
     assert r.status_code == 401
+
+
+def test_sample_stream_is_ndjson_and_equals_sample(env):
+    _, a, _ = env
+    a.post(f"{S}/create")
+    body = {"inputs": [{"messages": [{"role": "user", "content": "hello"}]}],
+            "sampling_params": {"max_tokens": 6, "temperature": 0.0}}  # fmt: skip
+    full = a.post(f"{S}/sample", body)["samples"][0]["sequences"][0]
+    with a.tc.stream("POST", f"{S}/sample_stream", json=body, headers=a.h()) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(x) for x in r.iter_lines() if x]
+    assert all(set(x) == {"delta", "finish_reason"} for x in lines)
+    assert [x["finish_reason"] for x in lines[:-1]] == [None] * (len(lines) - 1)
+    assert lines[-1]["finish_reason"] == full["stop_reason"]
+    assert "".join(x["delta"] for x in lines) == full["decoded"]
+    two = dict(body, sampling_params={"max_tokens": 6, "num_samples": 2})
+    r = a.post(f"{S}/sample_stream", two, ok=False)
+    assert r.status_code == 400 and "num_samples" in r.text
