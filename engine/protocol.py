@@ -138,10 +138,18 @@ def spec_target_modules(spec: LoraSpec) -> list[str]:
 class DatumInput:
     """One training example. ``tokens`` is the model input (length N). ``loss_fn_inputs`` maps names
     to arrays whose first dimension is N: ``target_tokens`` int64 [N] (or [N, K]), ``weights``
-    float32 [N] (or [N, K]), and, for RL losses, ``logprobs`` / ``advantages`` float32 [N]."""
+    float32 [N] (or [N, K]), and, for RL losses, ``logprobs`` / ``advantages`` float32 [N].
+    Embedding losses (`EMBEDDING_LOSS_FNS`) take no targets: ``anchor`` float32 [1] (1 = this row
+    is an anchor and starts a group, 0 = the positive / a negative of the current group)."""
 
     tokens: list[int]
     loss_fn_inputs: dict[str, np.ndarray]
+
+
+#: losses over pooled sentence embeddings instead of token log-probs (upstream Twinkle's
+#: ``InfonceLoss`` with ``task='embedding'``): reached only through the native API, never through
+#: Tinker's routes; a request of one is never sliced (the loss couples all of its rows).
+EMBEDDING_LOSS_FNS = ("infonce",)
 
 
 @dataclass
@@ -155,8 +163,9 @@ class ForwardBackwardInput:
 @dataclass
 class ForwardBackwardOutput:
     """``outputs[i]`` belongs to ``data[i]``: ``logprobs`` float32 [N] (learner log p of targets),
-    ``elementwise_loss`` float32 [N] where the loss is per token (not DPO). ``metrics`` keys are
-    ``name:reduction`` (always ``loss:sum``)."""
+    ``elementwise_loss`` float32 [N] where the loss is per token (not DPO); for an embedding loss
+    ``embedding`` float32 [H] (the pooled, L2-normalised sentence embedding) instead. ``metrics``
+    keys are ``name:reduction`` (always ``loss:sum``)."""
 
     outputs: list[dict[str, np.ndarray]]
     metrics: dict[str, float]

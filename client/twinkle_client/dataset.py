@@ -1,5 +1,7 @@
-"""`Dataset` and `DatasetMeta`: rows loaded on the client, transformed by preprocessors, encoded
-through the server's templates.
+"""`Dataset`, `LazyDataset` and `DatasetMeta`: rows loaded on the client, transformed by
+preprocessors, encoded through the server's templates, with upstream's calls
+(``Dataset(dataset_meta=DatasetMeta(path, data_slice=range(n)))``, ``set_template(name,
+model_id=..., max_length=...)``, ``map(name_or_class, init_args=...)``, ``encode(batched=True)``).
 
 Sources: local ``.jsonl``, ``.json`` (a list of rows, or ``{"data": [...]}``), ``.csv`` and
 ``.parquet`` (needs the ``parquet`` extra: pyarrow). ``ms://`` (ModelScope) and ``hf://``
@@ -144,8 +146,9 @@ class Dataset:
     def __init__(
         self, dataset_meta: DatasetMeta | str | list[dict[str, Any]] | None = None, **kwargs: Any
     ) -> None:
-        if dataset_meta is None:
-            dataset_meta = DatasetMeta(**kwargs)
+        if dataset_meta is None:  # DatasetMeta's fields as keywords; upstream's load options
+            fields = DatasetMeta.__dataclass_fields__  # (streaming, num_proc, ...) are ignored
+            dataset_meta = DatasetMeta(**{k: v for k, v in kwargs.items() if k in fields})
         if isinstance(dataset_meta, list):
             self.rows = [dict(r) for r in dataset_meta]
         else:

@@ -31,6 +31,20 @@ Notation: ``lp`` = learner log p of target_tokens [N], ``old`` = ``loss_fn_input
   ``num_pairs`` / ``num_chosen_tokens`` when given (the scheduler sets them on the slices of a
   sliced request).
 
+Embedding losses (`engine.protocol.EMBEDDING_LOSS_FNS`; upstream Twinkle's ``InfonceLoss`` with
+``task='embedding'``, reached through the native API only) take no targets: each datum is one
+sentence, ``loss_fn_inputs["anchor"]`` [1] is 1 for an anchor (which starts a group: anchor,
+positive, then optional negatives) and 0 for the rows of its group. The backend pools each row to
+``e`` = L2-normalised final hidden state (the lm_head input) at its last token.
+
+* ``infonce``: with groups g = (anchor a_g, positive p_g, negatives ...) and temperature ``T``,
+  ``mean_g CE(a_g · D_g^T / T, index of p_g in D_g)``: with ``use_batch`` 1 (default) ``D_g`` is
+  every non-anchor row of the request (in-batch negatives: the other groups' positives and
+  negatives), with ``use_batch`` 0 only g's own positive and negatives. A MEAN over groups, not a
+  sum (upstream's value, so loss curves match); a request is never sliced or split into
+  micro-batches. ``temperature`` default 0.1 (upstream's), must be > 0. Outputs: ``embedding``
+  [H] per datum.
+
 Every loss also accepts ``loss_fn_config["disable_lora"]`` (forward_only only): logprobs of the base
 model, without the adapter.
 
@@ -131,6 +145,32 @@ def dpo(
     return loss, margin.detach()
 
 
+def groups_of(anchor: Sequence[bool]) -> list[tuple[int, int]]:
+    """(start, end) row ranges of the groups: each anchor starts one, up to the next anchor."""
+    starts = [i for i, a in enumerate(anchor) if a]
+    return list(zip(starts, [*starts[1:], len(anchor)], strict=True))
+
+
+def infonce(
+    emb: torch.Tensor, anchor: Sequence[bool], temperature: float, use_batch: bool
+) -> torch.Tensor:
+    """InfoNCE over L2-normalised embeddings ``emb`` [B, H] (module doc): mean over groups of
+    the cross-entropy of the anchor's similarities / ``temperature`` with its positive."""
+    groups = groups_of(anchor)
+    if use_batch:
+        docs = [j for s, e in groups for j in range(s + 1, e)]
+        where = {j: k for k, j in enumerate(docs)}
+        q = emb[[s for s, _ in groups]]
+        logits = q @ emb[docs].T / temperature
+        target = torch.tensor([where[s + 1] for s, _ in groups], device=emb.device)
+        return F.cross_entropy(logits, target)
+    parts = []
+    for s, e in groups:
+        logits = (emb[s + 1 : e] @ emb[s]) / temperature
+        parts.append(torch.logsumexp(logits, 0) - logits[0])
+    return torch.stack(parts).mean()
+
+
 # ----------------------------------------------------------------------------------- registry
 
 
@@ -148,6 +188,7 @@ class LossSpec:
     per_token: Callable[..., torch.Tensor] | None = None
     top_k: bool = False  # accepts [N, K] target_tokens / weights
     paired: bool = False  # datums come in (chosen, rejected) pairs
+    embedding: bool = False  # over pooled sentence embeddings; datums carry ``anchor``, no targets
 
 
 def _clip(cfg: Mapping[str, float]) -> tuple[float, float]:
@@ -198,9 +239,17 @@ LOSSES: dict[str, LossSpec] = {
             },
             paired=True,
         ),
+        LossSpec(
+            "infonce",
+            inputs=("anchor",),
+            config={"temperature": 0.1, "use_batch": 1.0},
+            embedding=True,
+        ),
     )
 }
-KNOWN_LOSSES = tuple(sorted(LOSSES))
+#: the token losses: what Tinker's routes offer and what an unknown loss_fn error lists
+KNOWN_LOSSES = tuple(sorted(n for n, s in LOSSES.items() if not s.embedding))
+EMBEDDING_LOSSES = tuple(sorted(n for n, s in LOSSES.items() if s.embedding))
 
 
 def get_loss(name: object) -> LossSpec:
@@ -264,6 +313,11 @@ def parse_config(
             )
     if spec.name == "dro" and cfg["beta"] < 0:
         raise UserInputError(f"loss_fn_config.beta: {cfg['beta']} must be >= 0")
+    if spec.name == "infonce":
+        if cfg["temperature"] <= 0:
+            raise UserInputError(f"loss_fn_config.temperature: {cfg['temperature']} must be > 0")
+        if cfg["use_batch"] not in (0.0, 1.0):
+            raise UserInputError(f"loss_fn_config.use_batch: {cfg['use_batch']} must be 1 or 0")
     if spec.name == "dpo":
         if cfg["beta"] <= 0:
             raise UserInputError(f"loss_fn_config.beta: {cfg['beta']} must be > 0")
@@ -331,6 +385,25 @@ class MetricSums:
 
 
 # ----------------------------------------------------------------------------------- one request
+
+
+def embedding_loss(
+    req: Request,
+    idx: Sequence[int],
+    emb: torch.Tensor,
+    outputs: list[dict[str, np.ndarray]],
+    metrics: MetricSums,
+) -> torch.Tensor:
+    """Loss of an embedding request over all its datums ``idx`` (in order), given their pooled,
+    L2-normalised embeddings ``emb`` [B, H]. Writes ``outputs[i]["embedding"]``."""
+    anchor = [bool(req.data[i].inputs["anchor"][0]) for i in idx]
+    cfg = req.config
+    loss = infonce(emb, anchor, cfg["temperature"], bool(cfg["use_batch"]))
+    e = _f32(emb)
+    for k, i in enumerate(idx):
+        outputs[i] = {"embedding": e[k].copy()}
+    metrics.add("loss:sum", float(loss.detach()))
+    return loss
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:

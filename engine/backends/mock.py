@@ -12,7 +12,10 @@ B = 0; ``a`` holds its seed's draw, saved but unused, so the seed shows in check
 log-probability of target token t after input token x is
 ``base(x, t) + w[t % DIM]`` with ``base = -log(vocab) - ((7 x + 3 t) % 11) / 11``. Every loss is
 ``-sum(coef * logprob)`` with ``coef`` the datum's ``weights``, else its ``advantages``, else 1;
-so gradients and AdamW steps are exact and cheap. Checkpoints use the real layout
+so gradients and AdamW steps are exact and cheap. The embedding loss ``infonce`` (same groups and
+formula as the real backend, engine/backends/losses.py) runs on the toy embedding
+``e = u(tokens) + w`` (``u``: a fixed unit vector from the token ids; not normalised again), with
+its exact gradient. Checkpoints use the real layout
 (engine/backends/checkpoint_io.py: manifest, ``twinkle_state.json``) with the weights in
 ``adapter_model.safetensors`` (safetensors' numpy API). Sampling is a hash of (adapter weights file
 contents, prompt, seed, sample index, position): printable ASCII token ids, so the byte-level
@@ -42,6 +45,7 @@ from engine.backends.base import (
 from engine.backends.sample_checks import is_int, validate_sample_input
 from engine.errors import AdapterNotFoundError, CheckpointError, EngineError, UserInputError
 from engine.protocol import (
+    EMBEDDING_LOSS_FNS,
     AdamParams,
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -59,6 +63,8 @@ VOCAB_SIZE = 512
 EOS_ID = 256
 #: the losses the real backend knows (engine/backends/losses.py KNOWN_LOSSES; a test pins it)
 MOCK_LOSSES = ("cispo", "cross_entropy", "dpo", "dro", "importance_sampling", "ppo")
+#: the embedding losses it knows (engine/backends/losses.py EMBEDDING_LOSSES; a test pins it)
+MOCK_EMBEDDING_LOSSES = EMBEDDING_LOSS_FNS
 OPTIMIZER_FILE = "mock_optimizer.safetensors"
 
 
@@ -170,7 +176,70 @@ class MockTrainingBackend(TrainingBackend):
             raise UserInputError(f"{f}.loss_fn_inputs.{key}: must be finite, shaped like targets")
         return tokens.astype(np.int64), targets.astype(np.int64), coef
 
+    def _embedding_request(self, inp: ForwardBackwardInput) -> tuple[list, float, bool]:
+        """(rows as (tokens, is_anchor), temperature, use_batch), validated."""
+        cfg = {"temperature": 0.1, "use_batch": 1.0}
+        for key, value in (inp.loss_fn_config or {}).items():
+            if key not in cfg:
+                raise UserInputError(f"loss_fn_config.{key}: unknown key for loss_fn 'infonce'")
+            cfg[key] = float(value)
+        if not cfg["temperature"] > 0 or cfg["use_batch"] not in (0.0, 1.0):
+            raise UserInputError("loss_fn_config: temperature must be > 0, use_batch 1 or 0")
+        if not inp.data:
+            raise UserInputError("data: must contain at least one datum")
+        rows = []
+        for i, d in enumerate(inp.data):
+            tokens = np.asarray(d.tokens)
+            if tokens.ndim != 1 or len(tokens) == 0 or len(tokens) > self.max_positions:
+                raise UserInputError(f"data[{i}].tokens: must be 1 to {self.max_positions} ids")
+            if ((tokens < 0) | (tokens >= self.vocab_size)).any():
+                raise UserInputError(f"data[{i}].tokens: ids must be in [0, {self.vocab_size})")
+            a = np.asarray((d.loss_fn_inputs or {}).get("anchor", [np.nan]), np.float64)
+            if a.size != 1 or a.reshape(-1)[0] not in (0.0, 1.0):
+                raise UserInputError(f"data[{i}].loss_fn_inputs.anchor: must be one value, 1 or 0")
+            rows.append((tokens.astype(np.int64), bool(a.reshape(-1)[0])))
+        anchor = [a for _, a in rows]
+        if not anchor[0] or any(
+            a and (i + 1 == len(anchor) or anchor[i + 1]) for i, a in enumerate(anchor)
+        ):
+            raise UserInputError(
+                "data: loss_fn_inputs.anchor: rows come in groups anchor (1), positive (0), "
+                "negatives (0)..., starting with an anchor"
+            )
+        return rows, cfg["temperature"], bool(cfg["use_batch"])
+
+    def _infonce(self, w: np.ndarray, inp: ForwardBackwardInput):
+        """(outputs, loss, d loss / d w) of the toy InfoNCE (module doc)."""
+        rows, temp, use_batch = self._embedding_request(inp)
+        u = np.stack(
+            [np.cos(0.37 * np.outer(np.arange(1, DIM + 1), t + 1)).sum(1) for t, _ in rows]
+        )
+        u /= np.linalg.norm(u, axis=1, keepdims=True) + 1e-12
+        e = u + w
+        starts = [i for i, (_, a) in enumerate(rows) if a]
+        groups = list(zip(starts, [*starts[1:], len(rows)], strict=True))
+        loss, grad = 0.0, np.zeros(DIM)
+        for s, end in groups:
+            docs = (
+                [j for a, b in groups for j in range(a + 1, b)] if use_batch
+                else list(range(s + 1, end))
+            )  # fmt: skip
+            z = e[docs] @ e[s] / temp
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            k = docs.index(s + 1)
+            loss += float(np.log(np.exp(z - z.max()).sum()) + z.max() - z[k])
+            dz = p.copy()
+            dz[k] -= 1.0  # d loss / d z; z_j = e_s . e_j / T and d e / d w = I
+            grad += (dz @ e[docs] + dz.sum() * e[s]) / temp
+        n = len(groups)
+        outputs = [{"embedding": row.astype(np.float32)} for row in e]
+        return outputs, loss / n, grad / n
+
     def _request(self, inp: ForwardBackwardInput) -> list[tuple]:
+        if inp.loss_fn in MOCK_EMBEDDING_LOSSES:
+            self._embedding_request(inp)
+            return []
         if inp.loss_fn not in MOCK_LOSSES:
             raise UserInputError(f"loss_fn {inp.loss_fn!r}: known: {', '.join(MOCK_LOSSES)}")
         if not inp.data:
@@ -187,6 +256,11 @@ class MockTrainingBackend(TrainingBackend):
 
     def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
         st = self._get(adapter_id)
+        if inp.loss_fn in MOCK_EMBEDDING_LOSSES:
+            outputs, loss, grad = self._infonce(st.w, inp)
+            if not inp.forward_only:
+                st.grad = grad if st.grad is None else st.grad + grad
+            return ForwardBackwardOutput(outputs=outputs, metrics={"loss:sum": loss})
         data = self._request(inp)  # all checks before any state changes
         outputs, total, grad = [], 0.0, np.zeros(DIM)
         for tokens, targets, coef in data:

@@ -39,7 +39,10 @@ class Request:
 
     @property
     def units(self) -> list[list[int]]:
-        """Datum indices that must share a micro-batch: pairs for DPO, else single datums."""
+        """Datum indices that must share a micro-batch: pairs for DPO, the whole request for an
+        embedding loss (it couples every row), else single datums."""
+        if self.loss.embedding:
+            return [list(range(len(self.data)))]
         step = 2 if self.loss.paired else 1
         return [list(range(i, i + step)) for i in range(0, len(self.data), step)]
 
@@ -100,6 +103,8 @@ def _datum(d, f: str, loss: LossSpec, vocab: int, max_positions: int) -> Datum:
     check_range(toks, vocab, f"{f}.model_input")
     lfi = d.loss_fn_inputs or {}
     field = f"{f}.loss_fn_inputs"
+    if loss.embedding:
+        return _embedding_datum(toks, lfi, field, loss)
     if "target_tokens" not in lfi:
         raise UserInputError(f"{field}.target_tokens: required by loss_fn {loss.name!r}")
     tgt = _as_int_array(lfi["target_tokens"], f"{field}.target_tokens")
@@ -134,6 +139,43 @@ def _datum(d, f: str, loss: LossSpec, vocab: int, max_positions: int) -> Datum:
     return Datum(toks, tgt.reshape(n, -1), wa.reshape(n, -1), inputs, two_d=tgt.ndim == 2)
 
 
+def _embedding_datum(toks: np.ndarray, lfi, field: str, loss: LossSpec) -> Datum:
+    """A sentence row of an embedding loss: tokens and its ``anchor`` marker (no targets)."""
+    if lfi.get("anchor") is None:
+        raise UserInputError(
+            f"{field}.anchor: required by loss_fn {loss.name!r} (1 for an anchor, which starts a "
+            "group, 0 for its positive or a negative)"
+        )
+    try:
+        a = np.asarray(lfi["anchor"], dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        a = np.array([np.nan])
+    if a.shape != (1,) or a[0] not in (0.0, 1.0):
+        raise UserInputError(
+            f"{field}.anchor: {np.asarray(lfi['anchor']).tolist()!r} must be one value, 1 (an "
+            "anchor, starting a group) or 0 (its positive or a negative)"
+        )
+    n = toks.shape[0]
+    zeros = np.zeros((n, 1), np.float32)
+    return Datum(toks, zeros.astype(np.int64), zeros, {"anchor": a.astype(np.float32)}, False)
+
+
+def _check_groups(data: list[Datum]) -> None:
+    """An embedding request: rows in groups (anchor, positive, negatives...), anchor first."""
+    anchor = [bool(d.inputs["anchor"][0]) for d in data]
+    if not anchor[0]:
+        raise UserInputError(
+            "data[0].loss_fn_inputs.anchor: the first row must be an anchor (1): rows come in "
+            "groups anchor, positive, negatives..."
+        )
+    for i, a in enumerate(anchor):
+        if a and (i + 1 == len(anchor) or anchor[i + 1]):
+            raise UserInputError(
+                f"data[{i}].loss_fn_inputs.anchor: this anchor has no positive; the row after an "
+                "anchor (1) must be its positive (0)"
+            )
+
+
 def validate_request(inp: ForwardBackwardInput, vocab: int, max_positions: int) -> Request:
     """Check the whole request (loss name, config, every datum) before any compute."""
     inp = tinker_dpo(inp)
@@ -147,6 +189,8 @@ def validate_request(inp: ForwardBackwardInput, vocab: int, max_positions: int) 
             f"even number of datums; got {len(inp.data)}"
         )
     data = [_datum(d, f"data[{i}]", loss, vocab, max_positions) for i, d in enumerate(inp.data)]
+    if loss.embedding:
+        _check_groups(data)
     return Request(loss, config, data, bool(inp.forward_only), disable_lora)
 
 

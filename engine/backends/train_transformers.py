@@ -262,9 +262,17 @@ class TransformersTrainingBackend(TrainingBackend):
         if grad:
             for p, _ in stash:
                 p.grad = None
+        # An embedding request is one unit and runs alone (its own forward, no logits); token
+        # units are packed into micro-batches under the token budget.
+        emb = [k for k, (j, _) in enumerate(units) if jobs[j].req.loss.embedding]
+        tok = [k for k, (j, _) in enumerate(units) if not jobs[j].req.loss.embedding]
+        batches = [[k] for k in emb] + [
+            [tok[m] for m in mb]
+            for mb in micro_batches([lengths[k] for k in tok], self.max_batch_tokens)
+        ]
         try:
             with torch.set_grad_enabled(grad):
-                for mb in micro_batches(lengths, self.max_batch_tokens):
+                for mb in batches:
                     self._micro_batch(jobs, [units[k] for k in mb], grad)
         except BaseException:
             if grad:
@@ -285,7 +293,28 @@ class TransformersTrainingBackend(TrainingBackend):
         logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
         return logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)
 
+    def _embeddings(self, rows: list[Datum]) -> torch.Tensor:
+        """L2-normalised sentence embeddings [B, H] of right-padded rows: the final hidden state
+        (the lm_head input, after the final norm) at each row's last token."""
+        ids, mask, _ = pad_rows(rows, self.pad_id, self.device)
+        base = self.model.base_model  # the decoder stack without the lm_head
+        hidden = base(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        last = mask.sum(dim=1) - 1
+        pooled = hidden[torch.arange(len(rows), device=self.device), last].float()
+        return torch.nn.functional.normalize(pooled, p=2, dim=-1)
+
+    def _embedding_batch(self, job: _Job, idx: list[int], grad: bool) -> None:
+        segments = [] if job.req.disable_lora else [(job.adapter_id, 0, len(idx))]
+        with lora_routing(self.model, segments):
+            emb = self._embeddings([job.req.data[i] for i in idx])
+        loss = losses.embedding_loss(job.req, idx, emb, job.outputs, job.metrics)
+        if grad and loss.requires_grad:
+            loss.backward()
+
     def _micro_batch(self, jobs: list[_Job], units: list[tuple[int, list[int]]], grad: bool):
+        if len(units) == 1 and jobs[units[0][0]].req.loss.embedding:
+            self._embedding_batch(jobs[units[0][0]], units[0][1], grad)
+            return
         rows = [(j, i) for j, u in units for i in u]  # rows of one job are contiguous
         datums = [jobs[j].req.data[i] for j, i in rows]
         ref: dict[int, torch.Tensor] = {}

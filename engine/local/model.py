@@ -16,19 +16,30 @@ Documented choices (they differ from upstream where the engine follows Tinker):
   forward_backward per `step`). The Tinker names (cross_entropy, importance_sampling, ppo,
   cispo, dro, dpo), ``PPOLoss`` and ``CrossEntropyLoss(reduction='sum')`` are sums over weighted
   tokens (Tinker semantics) and accumulate as sums: nothing is divided by k, which equals one
-  step on the concatenated batch. Either way the optimizer runs on every k-th call of `step`,
-  with the accumulated gradient of the forward_backward calls since the last applied step. Inside
-  an accumulation window `zero_grad` and `lr_step` are no-ops (as upstream), so the usual loop
-  ``forward_backward(...); clip_grad_and_step()`` works for any k.
+  step on the concatenated batch (InfoNCE: see below). Either way the optimizer runs on every
+  k-th call of `step`, with the accumulated gradient of the forward_backward calls since the last
+  applied step. Inside an accumulation window `zero_grad` and `lr_step` are no-ops (as upstream),
+  so the usual loop ``forward_backward(...); clip_grad_and_step()`` works for any k.
 * Passes return a JSON-able dict (`engine.local.passes`): ``loss`` (upstream's value for the
   upstream names; ``loss_sum / num_tokens`` for cross_entropy, ``loss_sum`` otherwise),
   ``loss_sum`` (Tinker's sum; for DPOLoss = ``loss``), ``num_tokens``, per-sample ``logprobs``
   (datum positions) and ``logps`` (input positions, upstream's name), ``elementwise_loss``,
   ``metrics``.
+* Embedding training (``set_loss('InfonceLoss', temperature, use_batch, hard_negatives=None)``,
+  ``forward_backward(inputs, task='embedding')``, ``add_metric('EmbeddingMetric')``): rows carry
+  ``labels`` [1] (anchor, starts a group) / [0] (its positive, then optional negatives); each row
+  is pooled to the L2-normalised final hidden state (lm_head's input) at its last non-padding
+  token, as upstream's TransformersEmbeddingPatch + last-token pooling; the loss is upstream's
+  InfoNCE value (mean over groups, engine/backends/losses.py). Differences: with
+  gradient_accumulation_steps k > 1 the k per-call gradients are summed (upstream averages
+  them); ``hard_negatives`` only None; a request with no anchor, or an anchor without a
+  positive, is refused (upstream returns 0 / fails); no cross-device gathering (one device).
 * Row labels follow the explicit ``label_format``: "rolled" (default: upstream's template already
   rolled them) or "hf" (shifted here); see `engine.local.inputs`.
-* Losses are the backend's (cross_entropy, importance_sampling, ppo, cispo, dro, dpo); upstream
-  names map onto them (`engine.local.training_config.resolve_loss`); metrics are an allow-list
+* Losses are the backend's (cross_entropy, importance_sampling, ppo, cispo, dro, dpo, and
+  infonce for embedding training: ``set_loss('InfonceLoss', ...)`` with
+  ``forward_backward(..., task='embedding')``, see `engine.local.passes`); upstream names map
+  onto them (`engine.local.training_config.resolve_loss`); metrics are an allow-list
   (`engine.local.metrics`). Adam is AdamW with weight_decay 0 (torch's Adam defaults).
 * The backend fuses forward, loss and backward: `forward` runs without gradient and caches its
   inputs, `calculate_loss` returns that forward's loss, `backward` runs forward_backward on the
@@ -224,8 +235,10 @@ class MultiLoraTransformersModel(CheckpointMethods):
         "hf": shifted by one, see `engine.local.inputs`). Per sample: ``advantages`` (a float, or
         per-token), ``old_logps`` (the sampler's log-probs of the trained positions, or one per
         input position), ``ref_outputs`` (a forward_only result: its ``logps`` are the DPO
-        reference). ``task``: None or 'causal_lm' ('embedding': not supported yet). ``loss_kwargs``
-        override the set_loss config for this call only. Result: see `engine.local.passes`."""
+        reference). ``task``: None or 'causal_lm', or 'embedding' (exactly with InfonceLoss: rows
+        ``{input_ids, attention_mask, labels: [1] anchor / [0] its positive or a negative}``,
+        groups anchor, positive, negatives...). ``loss_kwargs`` override the set_loss config for
+        this call only. Result: see `engine.local.passes`."""
         call = _call_args(label_format, advantages, old_logps, ref_outputs, task)
         return self._pass(adapter_name, inputs, call, loss_kwargs, "train")
 
@@ -364,9 +377,9 @@ class MultiLoraTransformersModel(CheckpointMethods):
         is_training: bool | None = None,
         **kwargs,
     ) -> None:
-        """Add a metric (`engine.local.metrics`: DPOMetric(beta); LossMetric / TrainMetric add
-        nothing) to the training passes (``is_training`` True), the evaluation passes (False) or
-        both (None); calculate_metric reports it."""
+        """Add a metric (`engine.local.metrics`: DPOMetric(beta), EmbeddingMetric; LossMetric /
+        TrainMetric add nothing) to the training passes (``is_training`` True), the evaluation
+        passes (False) or both (None); calculate_metric reports it."""
         st = self._st(adapter_name)
         for training in (True, False):
             if is_training is None or bool(is_training) == training:

@@ -22,10 +22,16 @@ Result of every pass (lists and floats only, so it crosses HTTP as is)::
     elementwise_loss  per sample per-token loss (None for dpo)
     metrics           the backend's metrics (``loss:sum``, ``dpo_*:mean`` ...); for the
                       upstream names ``loss:sum`` is ``loss`` (the backend's is scaled)
+
+With ``task='embedding'`` (InfonceLoss only, and InfonceLoss only with it) the rows are
+sentences with a group marker (`engine.local.inputs.embedding_batch`) and the result is, as
+upstream's outputs: ``loss`` (InfoNCE, a mean over the groups; ``loss_sum`` the same value),
+``num_tokens`` 0, ``embeddings`` (per sample, the pooled L2-normalised embedding) and ``metrics``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,27 +42,44 @@ from engine.local.inputs import (
     aligned_logps,
     apply_call_inputs,
     convert,
+    embedding_batch,
     ref_logps_of,
     weighted_tokens,
 )
 from engine.local.training_config import LOCAL_LOSS_KEYS, UPSTREAM_MEAN, resolve_loss
-from engine.protocol import DatumInput, ForwardBackwardInput, ForwardBackwardOutput
+from engine.protocol import (
+    EMBEDDING_LOSS_FNS,
+    DatumInput,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+)
 
 if TYPE_CHECKING:
     from engine.backends.base import TrainingBackend
     from engine.local.adapter_state import AdapterState
 
-#: accepted values of ``task`` (upstream's default causal-LM training)
-TASKS = (None, "causal_lm")
+#: accepted values of ``task``: upstream's default causal-LM training, and embedding training
+TASKS = (None, "causal_lm", "embedding")
 
 
-def check_task(task: Any) -> None:
-    if task == "embedding":
-        raise UserInputError(
-            "task: 'embedding' (InfonceLoss embedding training) is not supported yet"
-        )
+def check_task(task: Any, loss: tuple[str, str, dict]) -> bool:
+    """Whether this pass is an embedding pass; UserInputError unless the task and the loss set
+    with set_loss agree (task='embedding' exactly with InfonceLoss)."""
     if task not in TASKS:
-        raise UserInputError(f"task: {task!r} is not supported; accepted: None, 'causal_lm'")
+        raise UserInputError(
+            f"task: {task!r} is not supported; accepted: None, 'causal_lm', 'embedding'"
+        )
+    embedding = loss[1] in EMBEDDING_LOSS_FNS
+    if task == "embedding" and not embedding:
+        raise UserInputError(
+            f"task: 'embedding' needs an embedding loss; set_loss('InfonceLoss', ...) first "
+            f"(the loss is {loss[0]!r})"
+        )
+    if embedding and task != "embedding":
+        raise UserInputError(
+            f"task: {loss[0]!r} trains embeddings; pass task='embedding' (got {task!r})"
+        )
+    return embedding
 
 
 def prepare(
@@ -142,7 +165,7 @@ def upstream_scaling(
         if value is not None:
             x = {**x, key: np.asarray(value, dtype=np.float64) * c}
         out.append(DatumInput(tokens=d.tokens, loss_fn_inputs=x))
-    return config, Batch(out, batch.src, batch.row_len), scales
+    return config, replace(batch, data=out), scales
 
 
 def _floats(value: Any) -> Any:
@@ -159,6 +182,14 @@ def pass_result(
     """The pass's result dict (see the module doc). ``scales`` / ``k``: `upstream_scaling`'s, when
     the inputs were scaled (the backend's ``loss:sum`` is then upstream's loss over k)."""
     loss_sum = float(out.metrics.get("loss:sum", 0.0))
+    if batch.task == "embedding":
+        return {
+            "loss": loss_sum,
+            "loss_sum": loss_sum,
+            "num_tokens": 0.0,
+            "embeddings": [_floats(o.get("embedding")) for o in out.outputs],
+            "metrics": {k: float(v) for k, v in out.metrics.items()},
+        }
     n_tok = weighted_tokens(batch.data)
     logprobs = [o.get("logprobs") for o in out.outputs]
     elementwise = [o.get("elementwise_loss") for o in out.outputs]
@@ -200,8 +231,16 @@ def run_pass(
     "forward" (no gradient, no metrics, inputs kept for `backward`); ``inputs`` may be the
     Batch `backward` cached; ``call``: label_format, advantages, old_logps, ref_outputs, task."""
     call = dict(call)
-    check_task(call.pop("task", None))
-    batch = prepare(inputs, **call)
+    task = call.pop("task", None)
+    if isinstance(inputs, Batch):  # `backward` on forward's cached inputs: forward's task
+        task = inputs.task
+    if check_task(task, st.loss):
+        for key in ("advantages", "old_logps", "ref_outputs"):
+            if call.get(key) is not None:
+                raise UserInputError(f"{key}: not used by task='embedding' (InfonceLoss)")
+        batch = embedding_batch(inputs)
+    else:
+        batch = prepare(inputs, **call)
     loss_fn, config, batch = loss_config(st.loss, loss_kwargs, batch)
     metrics = {"train": st.train_metrics, "eval": st.eval_metrics}.get(mode, [])
     for m in metrics:
@@ -218,5 +257,5 @@ def run_pass(
     elif mode == "eval":
         st.eval.record(res, len(batch.data))
     for m in metrics:
-        m.record(batch.data, res["logprobs"])
+        m.record(batch.data, res)
     return res

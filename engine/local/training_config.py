@@ -35,6 +35,8 @@ _LOSSES = {
     "droloss": "dro",
     "dpo": "dpo",
     "dpoloss": "dpo",
+    "infonce": "infonce",
+    "infonceloss": "infonce",
 }
 ACCEPTED_LOSS_NAMES = (
     "cross_entropy",
@@ -50,6 +52,7 @@ ACCEPTED_LOSS_NAMES = (
     "DROLoss",
     "dpo",
     "DPOLoss",
+    "InfonceLoss",
 )
 
 
@@ -58,7 +61,7 @@ def _norm(name: str) -> str:
 
 
 #: upstream Twinkle names we know but cannot run yet (a clear error instead of "unknown")
-_NOT_YET = {"infonceloss": "InfonceLoss (embedding training, task='embedding')"}
+_NOT_YET: dict[str, str] = {}
 #: normalised upstream class names whose reduction the local model reproduces (`resolve_loss`)
 UPSTREAM_MEAN_LOSSES = ("crossentropyloss", "grpoloss", "dpoloss")
 #: set by resolve_loss (1.0 / 0.0): reproduce upstream's mean reduction (`engine.local.passes`)
@@ -107,6 +110,10 @@ def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[s
     0) and an entropy bonus are not available and are refused. ``DPOLoss(beta, loss_type,
     reference_free, sft_weight)`` maps to ``dpo``: only ``loss_type='sigmoid'``;
     ``reference_free`` makes the reference log-probs 0 (applied by the model, not the backend).
+    ``InfonceLoss(temperature=0.1, use_batch=True, hard_negatives=None)`` maps to ``infonce``
+    (embedding training, ``task='embedding'``; engine/backends/losses.py): ``hard_negatives``
+    only None (each group keeps its own negatives; upstream's fixed count truncates or randomly
+    upsamples them), ``mask_fake_negative`` / ``include_qq`` / ``include_dd`` only False.
 
     Reductions: the upstream class names ``CrossEntropyLoss`` (``reduction='mean'``, the default),
     ``GRPOLoss`` and ``DPOLoss`` get ``upstream_mean`` 1 in the config: the model reproduces
@@ -161,6 +168,8 @@ def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[s
         config[UPSTREAM_MEAN] = float(reduction == "mean")
     elif loss_fn == "cross_entropy":
         _pop_fixed(kw, name, "reduction", "sum", "Tinker's cross_entropy is a sum")
+    if loss_fn == "infonce":
+        _infonce_config(name, kw, config)
     for key, value in kw.items():
         if isinstance(value, bool):
             value = float(value)
@@ -168,6 +177,27 @@ def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[s
             raise UserInputError(f"loss config {key!r}: {value!r} must be a number or a string")
         config[key] = float(value) if not isinstance(value, str) else value
     return name, loss_fn, config
+
+
+def _infonce_config(name: str, kw: dict, config: dict[str, float | str]) -> None:
+    """InfonceLoss's arguments (popped from ``kw``) into ``config``."""
+    if "temperature" in kw:
+        t = kw.pop("temperature")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise UserInputError(f"{name}: temperature {t!r} must be a finite number > 0")
+        config["temperature"] = float(t)
+    if "use_batch" in kw:
+        config["use_batch"] = float(_flag_value(name, "use_batch", kw.pop("use_batch")))
+    _pop_fixed(
+        kw, name, "hard_negatives", None,
+        "only None: each group keeps its own negatives (anchor, positive, negatives...)",
+    )  # fmt: skip
+    for flag in ("mask_fake_negative", "include_qq", "include_dd"):
+        _pop_fixed(kw, name, flag, False, "use False")
+    margin = kw.pop("fake_neg_margin", 0.1)  # only read with mask_fake_negative
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+        raise UserInputError(f"{name}: fake_neg_margin {margin!r} must be a number")
+    _pop_fixed(kw, name, "process_group", None, "the server runs the loss on one device")
 
 
 # ----------------------------------------------------------------------------------- optimizer

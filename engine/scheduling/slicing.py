@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine.protocol import ForwardBackwardInput, ForwardBackwardOutput
+from engine.protocol import EMBEDDING_LOSS_FNS, ForwardBackwardInput, ForwardBackwardOutput
 
 PAIRED_LOSSES = {"dpo"}
 
@@ -39,7 +39,7 @@ def slice_input(
     its own part). Returns (part, token cost) pairs; one part means no slicing."""
     sizes = datum_tokens(inp)
     total = sum(sizes)
-    if total <= slice_tokens or len(inp.data) <= 1:
+    if total <= slice_tokens or len(inp.data) <= 1 or inp.loss_fn in EMBEDDING_LOSS_FNS:
         return [(inp, total)]
     step = 2 if is_paired(inp) else 1
     parts: list[tuple[ForwardBackwardInput, int]] = []

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from engine.protocol import (
+    EMBEDDING_LOSS_FNS,
     DatumInput,
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -97,9 +98,16 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackwardInput
     for key, val in msg.loss_fn_config_v2.items():
         which = val.WhichOneof("value")
         config[key] = val.number if which == "number" else val.text
+    loss_fn = msg.loss_fn or "cross_entropy"
+    if loss_fn in EMBEDDING_LOSS_FNS:  # the backend knows it, Tinker's API does not offer it
+        raise InvalidRequestError(
+            f"loss_fn: {loss_fn!r} is not a Tinker loss; embedding training is available through "
+            "the Twinkle native API only (set_loss('InfonceLoss'), forward_backward(task="
+            "'embedding'))"
+        )
     inp = ForwardBackwardInput(
         data=data,
-        loss_fn=msg.loss_fn or "cross_entropy",
+        loss_fn=loss_fn,
         loss_fn_config=config,
         forward_only=msg.forward_only,
     )

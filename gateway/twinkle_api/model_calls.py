@@ -63,6 +63,7 @@ class Call:
     engine: EngineClient
     settings: Settings
     quotas: Any
+    usage: Any = None
 
     async def invoke(self, method: str, kwargs: dict) -> Any:
         nm = self.nm
@@ -74,6 +75,41 @@ class Call:
         nm = self.nm
         names = await self.engine.trainer(nm.base_model, "native_adapters", nm.model_id, nm.tenant)
         return self.adapter in names
+
+
+def count_tokens(inputs: Any) -> int:
+    """Tokens of a pass's inputs as the client sent them (rows with ``input_ids``, a batched
+    dict, or Tinker-style ``model_input``); what the engine rejects counts 0, it runs nothing."""
+    rows = inputs if isinstance(inputs, list) else [inputs]
+    total = 0
+    for row in rows:
+        ids = row.get("input_ids", row.get("model_input")) if isinstance(row, dict) else None
+        if isinstance(ids, list):
+            nested = bool(ids) and isinstance(ids[0], list)
+            total += sum(len(r) for r in ids if isinstance(r, list)) if nested else len(ids)
+    return total
+
+
+def _metered(method: str) -> Callable[[Call, dict], Awaitable[Any]]:
+    """A pass under the Tinker routes' training-token rate (429 + retry-after over it) and
+    recorded in the usage ledger once it ran."""
+
+    async def run(call: Call, kw: dict) -> Any:
+        who, n = call.who, count_tokens(kw.get("inputs"))
+        await call.quotas.charge_tokens(who, "train", n, call.quotas.limits(who, call.db))
+        result = await call.invoke(method, kw)
+        if call.usage is not None:
+            call.usage.record(
+                user_id=who.user_id,
+                org_id=who.org_id,
+                kind="training",
+                quantity=n,
+                session_id=call.nm.session_id,
+                base_model=call.nm.base_model,
+            )
+        return result
+
+    return run
 
 
 async def _set_template(call: Call, kw: dict) -> Any:
@@ -277,4 +313,7 @@ SPECIAL: dict[str, Callable[[Call, dict], Awaitable[Any]]] = {
     "save": _save,
     "load": _loader("load"),
     "resume_from_checkpoint": _loader("resume_from_checkpoint"),
+    "forward": _metered("forward"),
+    "forward_only": _metered("forward_only"),
+    "forward_backward": _metered("forward_backward"),
 }

@@ -205,7 +205,8 @@ async def call(
     body = dict(body or {})
     adapter = _adapter_name(body, method)
     kw = _kwargs(method, body)
-    c = Call(nm, adapter, who, db, engine, settings, request.app.state.quotas)
+    state = request.app.state
+    c = Call(nm, adapter, who, db, engine, settings, state.quotas, getattr(state, "usage", None))
     handler = SPECIAL.get(method)
     result = await (handler(c, kw) if handler else c.invoke(method, kw))
     return _answer(method, result)

@@ -114,6 +114,14 @@ SCRIPTS: dict[str, list[Sub]] = {
         ),
         Sub(_WHY_CAP, r"'max_tokens': 128,", "'max_tokens': 16,"),
     ],
+    "twinkle/embedding": [
+        Sub(
+            _WHY_TEMPLATE + " (its tokenizer builds the rows)",
+            r"^from twinkle\.template import Qwen3_5Template$",
+            "from twinkle.template import Template as Qwen3_5Template",
+        ),
+        Sub(_WHY_CAP, r"^MAX_STEPS = 10\b", "MAX_STEPS = 3"),
+    ],
     # ---------------------------------------------------------------- Tinker client (patched)
     "tinker/self_cognition": [
         _dataset("ms://swift/self-cognition", "self_cognition.jsonl"),

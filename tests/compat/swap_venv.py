@@ -32,6 +32,7 @@ SWAP_CHECK = (
     "from twinkle import init_twinkle_client; "
     "from twinkle_client.model import MultiLoraTransformersModel; "
     "from twinkle_client.sampler import vLLMSampler; "
+    "from twinkle_client.rollout import ClientMultiTurnRollout; "
     "import twinkle_client, twinkle; "
     "print(twinkle_client.__file__); print(twinkle_client.__version__)"
 )

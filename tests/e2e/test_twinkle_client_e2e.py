@@ -41,8 +41,7 @@ def test_same_script_in_process_and_remote(server, tw, tmp_path):
     model_dir = server.data_dir / "models" / "tiny-chat"  # built by the server; same recipe
     data = roll(hf_data(model_dir))  # upstream's rows: rolled labels, in process too
     local = sft_script(LocalModel, str(model_dir), data, data_dir=tmp_path)
-    # the client from init_twinkle_client; upstream's protocol takes rolled labels
-    remote = sft_script(RemoteModel, BASE, roll(data))
+    remote = sft_script(RemoteModel, BASE, data)  # the client from init_twinkle_client
     np.testing.assert_allclose(remote["losses"], local["losses"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(remote["resumed"], local["resumed"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(remote["norms"], local["norms"], rtol=1e-5, atol=1e-6)

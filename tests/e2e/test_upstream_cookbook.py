@@ -6,9 +6,12 @@ upstream checkout (TWINKLE_UPSTREAM_REPO), applies the marked substitutions (tin
 data, capped steps) and runs it with tests/compat/run_upstream.py. How to run one by hand and
 what each substitution is for: tests/compat/README.md.
 
-Skips (saying why) when there is no upstream checkout, or when PyPI is unreachable and the compat
-venv's wheels are not cached. Scripts that need server work still pending are xfail(strict): one
-that starts passing fails the run until it is taken off PENDING.
+Each twinkle script also runs with OUR twinkle_client in place of upstream's (upstream's
+`twinkle` package kept for the data side: tests/compat/swap_venv.py).
+
+Skips (saying why) when there is no upstream checkout (CI has none: no GitHub there; the same
+calls run in CI through our own flows, tests/e2e/test_upstream_client.py), or when PyPI is
+unreachable and the compat venv's wheels are not cached.
 """
 
 from __future__ import annotations
@@ -20,16 +23,6 @@ from tests.compat.substitutions import SCRIPTS
 from tests.compat.venv import CompatVenvUnavailable, compat_python
 
 pytestmark = pytest.mark.e2e
-
-_NATIVE = "the native routes /api/v1/{model,sampler}/<base>/twinkle/<method> are not served (404)"
-PENDING: dict[str, str] = {
-    "twinkle/self_cognition": _NATIVE,
-    "twinkle/dpo": _NATIVE,
-    "twinkle/short_math_grpo": _NATIVE,
-    "twinkle/sample": _NATIVE,
-    "tinker/dpo": "forward_backward('importance_sampling', loss_fn_config={'dpo_beta', "
-    "'dpo_sft_weight'}) with loss_fn_inputs['ref_logps'] (DPO): 'dpo_beta: unknown key'",
-}
 
 
 def _script_text(script_id: str) -> str:
@@ -60,18 +53,24 @@ def test_substitutions_still_match(script_id: str):
     compile(patched, f"{script_id}.py", "exec")  # still valid Python
 
 
-@pytest.mark.parametrize(
-    "script_id",
-    [
-        pytest.param(sid, marks=pytest.mark.xfail(reason=PENDING[sid], strict=True))
-        if sid in PENDING
-        else sid
-        for sid in SCRIPTS
-    ],
-)
-def test_upstream_cookbook_script_runs(script_id: str, server, compat_py: str):
+@pytest.fixture(scope="session")
+def ours_py(compat_py: str) -> str:
+    """The compat venv with our twinkle_client swapped in for upstream's."""
+    from tests.compat.swap_venv import build_swap_venv
+
+    return str(build_swap_venv())
+
+
+CASES = [(sid, "upstream") for sid in SCRIPTS] + [
+    (sid, "ours") for sid in SCRIPTS if sid.startswith("twinkle/")
+]
+
+
+@pytest.mark.parametrize("script_id,client", CASES)
+def test_upstream_cookbook_script_runs(script_id: str, client: str, server, request):
     _script_text(script_id)  # skip early when upstream's checkout is missing
-    key = server.create_key(f"compat-{script_id.replace('/', '-')}")
+    python = request.getfixturevalue("compat_py" if client == "upstream" else "ours_py")
+    key = server.create_key(f"compat-{client}-{script_id.replace('/', '-')}")
     lines: list[str] = []
-    rc = run_script(script_id, server.url, key, python=compat_py, timeout=300, log=lines.append)
+    rc = run_script(script_id, server.url, key, python=python, timeout=300, log=lines.append)
     assert rc == 0, "\n".join(lines[-60:])

@@ -166,3 +166,57 @@ def test_bad_input_is_a_4xx_naming_the_field(env, path, body, status, words):
         assert w in r.text, r.text
     # the server keeps serving
     assert a.post(f"{M}/create")["status"] == "ok"
+
+
+def test_training_tokens_are_metered_and_rate_limited(make_gateway):
+    from sqlmodel import Session, select
+
+    from gateway.db import make_engine
+    from gateway.db.tables import UsageBucketRow
+    from tests.gateway.harness import set_quota
+
+    gw = make_gateway()
+    u = User(gw.client, gw.key("carol"))
+    u.post(f"{M}/create")
+    u.post(f"{M}/add_adapter_to_model", {"adapter_name": "default", "config": LORA})
+    u.post(f"{M}/forward_backward", {"inputs": _rows(2), "adapter_name": "default"})
+    with Session(make_engine(gw.db_url)) as s:
+        rows = s.exec(select(UsageBucketRow).where(UsageBucketRow.kind == "training")).all()
+    assert sum(r.quantity for r in rows) == 16  # two rows of 8 input tokens
+    # the training-token rate of the Tinker routes holds here too: 429 + retry-after
+    set_quota(gw.db_url, "user", "carol", "train_tokens_per_minute", 20)
+    r = u.post(f"{M}/forward_backward", {"inputs": _rows(3), "adapter_name": "default"}, ok=False)
+    assert r.status_code in (403, 429), r.text
+    assert "train_tokens_per_minute" in r.text
+
+
+def test_either_auth_header_and_hub_prefixes(env):
+    gw, a, _ = env
+    for path in (
+        f"/api/v1/model/ms://{BASE}/twinkle/create",
+        f"/api/v1/model/hf://{BASE}/twinkle/create",
+    ):
+        h = {"Twinkle-Authorization": f"Bearer {a.key}", "X-Twinkle-Session-Id": a.session}
+        r = gw.client.post(path, json={}, headers=h)
+        assert r.status_code == 200, r.text
+    r = gw.client.post(f"{M}/create", json={}, headers={"X-Twinkle-Session-Id": a.session})
+    assert r.status_code == 401
+
+
+def test_sample_stream_is_ndjson_and_equals_sample(env):
+    _, a, _ = env
+    a.post(f"{S}/create")
+    body = {"inputs": [{"messages": [{"role": "user", "content": "hello"}]}],
+            "sampling_params": {"max_tokens": 6, "temperature": 0.0}}  # fmt: skip
+    full = a.post(f"{S}/sample", body)["samples"][0]["sequences"][0]
+    with a.tc.stream("POST", f"{S}/sample_stream", json=body, headers=a.h()) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(x) for x in r.iter_lines() if x]
+    assert all(set(x) == {"delta", "finish_reason"} for x in lines)
+    assert [x["finish_reason"] for x in lines[:-1]] == [None] * (len(lines) - 1)
+    assert lines[-1]["finish_reason"] == full["stop_reason"]
+    assert "".join(x["delta"] for x in lines) == full["decoded"]
+    two = dict(body, sampling_params={"max_tokens": 6, "num_samples": 2})
+    r = a.post(f"{S}/sample_stream", two, ok=False)
+    assert r.status_code == 400 and "num_samples" in r.text

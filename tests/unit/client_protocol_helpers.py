@@ -100,6 +100,12 @@ class FakeServer:
         for suffix, (status, detail) in self.fail.items():
             if path.endswith(suffix):
                 return httpx.Response(status, json={"detail": detail})
+        if path.endswith("/sample_stream"):
+            lines = [
+                {"delta": "ans", "finish_reason": None},
+                {"delta": "wer", "finish_reason": "stop"},
+            ]
+            return httpx.Response(200, text="".join(json.dumps(x) + "\n" for x in lines))
         out = self.answer(request.method, path, body or {})
         return httpx.Response(200, json=out)
 
@@ -166,7 +172,8 @@ class FakeServer:
                 feature = {
                     **{key: v for key, v in inp.items() if key != "input_ids"},
                     "input_ids": prompt + tokens,
-                    "labels": [-100] * (len(prompt) - 1) + tokens + [-100],
+                    # rolled: the prompt's trained positions are kept, then the completion
+                    "labels": (inp.get("labels") or [-100] * len(prompt))[:-1] + tokens + [-100],
                     "messages": [
                         *inp.get("messages", []),
                         {"role": "assistant", "content": f"answer {j}"},

@@ -178,7 +178,7 @@ def test_public_surface_imports_without_torch():
     code = (
         "import sys, twinkle_client\n"
         "from twinkle_client import model, sampler, dataset, dataloader, template, types\n"
-        "from twinkle_client import preprocessor\n"
+        "from twinkle_client import preprocessor, rollout\n"
         "missing = [n for n in twinkle_client.__all__ if not hasattr(twinkle_client, n)]\n"
         "assert not missing, missing\n"
         "heavy = [m for m in ('torch', 'transformers', 'tinker', 'engine', 'gateway')\n"

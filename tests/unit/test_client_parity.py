@@ -22,6 +22,7 @@ import pytest
 
 from twinkle_client import TwinkleClient
 from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
+from twinkle_client.rollout import ClientMultiTurnRollout
 from twinkle_client.sampler import vLLMSampler
 
 # upstream twinkle_client 0.5.1, read from its source: "name[=default]" in order, "*" before
@@ -62,6 +63,9 @@ UPSTREAM: dict[str, dict[str, str]] = {
         "set_template": "template_cls, adapter_name='', **",
         "apply_patch": "patch_cls, **",
     },
+    "ClientMultiTurnRollout": {
+        "__init__": "sampler, template, tool_manager=None, sampling_params=None, max_turns=6, max_trajectory_tokens=None",  # noqa: E501
+    },
     "TwinkleClient": {
         "__init__": "base_url=None, api_key=None, route_prefix='/twinkle', session_heartbeat_interval=10, session_metadata=None",  # noqa: E501
         "get_capacity_info": "",
@@ -85,11 +89,13 @@ OURS = {
     "MultiLoraTransformersModel": RemoteModel,
     "vLLMSampler": vLLMSampler,
     "TwinkleClient": TwinkleClient,
+    "ClientMultiTurnRollout": ClientMultiTurnRollout,
 }
 UPSTREAM_FILES = {
     "MultiLoraTransformersModel": "model/multi_lora_transformers.py",
     "vLLMSampler": "sampler/vllm_sampler.py",
     "TwinkleClient": "manager.py",
+    "ClientMultiTurnRollout": "rollout/multi_turn.py",
 }
 # engine members the client lacks, each with its reason
 NOT_ON_CLIENT = {

@@ -272,6 +272,9 @@ def test_sampler_routes_bodies_and_results(client, fake):
     ]
     sampler.sample([traj])
     assert "adapter_uri" not in fake.last(f"{S}/sample").body  # only sent when given
+    deltas = list(sampler.sample_stream(traj, {"max_tokens": 4}))
+    assert "".join(d["delta"] for d in deltas) == "answer" and deltas[-1]["finish_reason"] == "stop"
+    assert fake.last(f"{S}/sample_stream").body["inputs"] == [traj]
     torch_sampler = TorchSampler(MODEL)
     torch_sampler.add_adapter_to_sampler("a", {"r": 4})
     assert fake.last(f"{S}/add_adapter_to_sampler").body == {
@@ -540,3 +543,104 @@ def test_our_cookbook_scripts_run_against_the_fake(fake, monkeypatch, name):
         assert len(out["steps"]) == 2 and out["steps"][0]["step"] == 1
         body = fake.last(f"{M}/forward_backward").body
         assert len(body["inputs"]) == len(body["advantages"]) == len(body["old_logps"]) == 4
+
+
+def test_over_real_http_as_the_cookbook_calls_it(fake):
+    """No transport injected: ``init_twinkle_client(base_url, api_key)`` against a local HTTP
+    server wrapping the fake (headers with underscores included, as sent on the wire)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self):
+            n = int(self.headers.get("content-length") or 0)
+            req = httpx.Request(
+                self.command,
+                f"{BASE_URL}{self.path}",
+                headers=list(self.headers.items()),
+                content=self.rfile.read(n),
+            )
+            resp = fake.handle(req)
+            self.send_response(resp.status_code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(resp.content)))
+            self.end_headers()
+            self.wfile.write(resp.content)
+
+        do_GET = do_POST = do_DELETE = _serve
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = init_twinkle_client(
+            base_url=f"http://127.0.0.1:{server.server_address[1]}", api_key=API_KEY
+        )
+        model = MultiLoraTransformersModel(model_id=f"ms://{MODEL}")
+        model.add_adapter_to_model("default", {"r": 8}, gradient_accumulation_steps=2)
+        assert model.forward_backward(inputs=[{"input_ids": [1, 2]}]).result["loss"] == 1.25
+        assert model.save(name="x").twinkle_path == "twinkle://run-1/weights/x"
+        client.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    call = fake.last(f"{M}/forward_backward")
+    assert call.headers["serve_multiplexed_model_id"] == REQUEST_ID
+    assert call.headers["Serve-Multiplexed-Model-Id"] == REQUEST_ID
+    assert call.headers["x-twinkle-session-id"] == "sess-1"
+    assert call.headers["twinkle-authorization"] == f"Bearer {API_KEY}"
+
+
+def test_client_multi_turn_rollout_with_tools(client, fake):
+    """upstream's multi_turn_rollout cookbook: ClientMultiTurnRollout(sampler, template,
+    tool_manager, sampling_params, max_turns) over HTTP; a tool turn is bridged, then the
+    assistant answers; logprobs stay aligned with the trainable labels."""
+    from twinkle_client.rollout import ClientMultiTurnRollout
+    from twinkle_client.template import Qwen3_5Template
+
+    calls = []
+
+    class ToolTemplate(Qwen3_5Template):
+        def parse_tool_call(self, text):  # the first answer of each trajectory calls a tool
+            calls.append(text)
+            return [{"name": "calc", "arguments": "{}"}] if len(calls) <= 2 else []
+
+    def bridge(feature, tool_messages, template):
+        assert template is tpl and tool_messages == [{"role": "tool", "content": "42"}]
+        return {
+            **feature,
+            "input_ids": feature["input_ids"] + [9, 9],
+            "labels": feature["labels"] + [-100, -100],
+            "messages": [*feature["messages"], *tool_messages],
+        }
+
+    tpl = ToolTemplate(MODEL)
+    sampler = vLLMSampler(model_id=MODEL)
+    rollout = ClientMultiTurnRollout(
+        sampler,
+        tpl,
+        tool_manager=lambda call: "42",
+        sampling_params={"max_tokens": 8, "num_samples": 1, "logprobs": 1},
+        max_turns=3,
+        bridge=bridge,
+    )
+    trajs = [{"messages": [{"role": "user", "content": f"q{i}"}], "id": i} for i in range(2)]
+    out = rollout(trajs)
+    assert [o["id"] for o in out] == [0, 1] and [o["turns"] for o in out] == [2, 2]
+    assert all(o["stop_reason"] == "stop" and not o["truncated"] for o in out)
+    assert len(out[0]["logprobs"]) == 6 == sum(lab != -100 for lab in out[0]["labels"])
+    assert [m["role"] for m in out[0]["messages"]][-3:] == ["assistant", "tool", "assistant"]
+    second = fake.calls(f"{S}/sample")[1].body
+    assert second["inputs"][0]["input_ids"][-5:] == [50, 51, 2, 9, 9]  # bridged, then resampled
+    capped = ClientMultiTurnRollout(
+        sampler, ToolTemplate(MODEL), tool_manager=lambda c: "42", max_turns=1, bridge=bridge
+    )
+    calls.clear()
+    (one,) = capped(trajs[:1])
+    assert one["truncated"] and one["stop_reason"] == "max_turns"
+    with pytest.raises(ValueError, match="num_samples"):
+        ClientMultiTurnRollout(sampler, tpl, sampling_params={"num_samples": 2})

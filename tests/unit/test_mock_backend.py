@@ -12,7 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.backends.mock import MOCK_LOSSES, MockSamplingBackend, MockTrainingBackend
+from engine.backends.mock import (
+    MOCK_EMBEDDING_LOSSES,
+    MOCK_LOSSES,
+    MockSamplingBackend,
+    MockTrainingBackend,
+)
 from engine.errors import AdapterNotFoundError, CheckpointError, UserInputError
 from engine.protocol import (
     AdamParams,
@@ -95,9 +100,10 @@ def test_rejected_input_changes_nothing() -> None:
 
 
 def test_mock_knows_the_real_losses() -> None:
-    from engine.backends.losses import KNOWN_LOSSES
+    from engine.backends.losses import EMBEDDING_LOSSES, KNOWN_LOSSES
 
     assert tuple(sorted(MOCK_LOSSES)) == tuple(KNOWN_LOSSES)
+    assert tuple(sorted(MOCK_EMBEDDING_LOSSES)) == tuple(EMBEDDING_LOSSES)
 
 
 def test_checkpoints_are_real_files_and_round_trip(tmp_path: Path) -> None:

@@ -203,19 +203,19 @@ def test_optimizer_loss_metric_and_task_names(model) -> None:
     assert opt["name"] == "AdamW" and opt["betas"] == (0.9, 0.95) and opt["eps"] == 1e-12
     with pytest.raises(UserInputError, match="loss_type 'hinge'.*accepted: sigmoid"):
         model.set_loss("DPOLoss", beta=0.1, loss_type="hinge", adapter_name=name)
-    with pytest.raises(UserInputError, match="InfonceLoss.*not supported yet"):
-        model.set_loss("InfonceLoss", temperature=0.1, adapter_name=name)
+    with pytest.raises(UserInputError, match="InfonceLoss: hard_negatives 4 is not supported"):
+        model.set_loss("InfonceLoss", temperature=0.1, hard_negatives=4, adapter_name=name)
     with pytest.raises(UserInputError, match="unknown loss 'FocalLoss'.*CrossEntropyLoss.*DPOLoss"):
         model.set_loss("FocalLoss", adapter_name=name)
     with pytest.raises(UserInputError, match="GRPOLoss: beta"):
         model.set_loss("GRPOLoss", epsilon=0.2, beta=0.04, adapter_name=name)
     model.set_loss("CrossEntropyLoss", adapter_name=name)
-    with pytest.raises(UserInputError, match="task.*embedding.*not supported yet"):
+    with pytest.raises(UserInputError, match="task: 'embedding' needs an embedding loss"):
         model.forward_backward([{"input_ids": [1, 2, 3]}], adapter_name=name, task="embedding")
     with pytest.raises(UserInputError, match="unknown metric_cls 'Bleu'.*DPOMetric"):
         model.add_metric("Bleu", adapter_name=name)
-    with pytest.raises(UserInputError, match="EmbeddingMetric.*not supported yet"):
-        model.add_metric("EmbeddingMetric", adapter_name=name)
+    with pytest.raises(UserInputError, match="EmbeddingMetric: unsupported argument"):
+        model.add_metric("EmbeddingMetric", beta=1.0, adapter_name=name)
     model.add_metric("LossMetric", adapter_name=name)  # built in: adds nothing
     assert "loss" in model.calculate_metric(adapter_name=name)
 
