@@ -12,11 +12,12 @@ Documented choices (they differ from upstream where the engine follows Tinker):
   ``GRPOLoss`` the per-sequence token mean then the mean over sequences, ``DPOLoss`` the mean over
   pairs + sft_weight × the chosen token mean (`engine.local.passes.upstream_scaling`, exact
   rescalings of the backend's sums). With ``gradient_accumulation_steps=k`` each of their calls
-  counts 1/k, as upstream divides the window's gradient by its number of calls (assumed: one
-  forward_backward per `step`). The Tinker names (cross_entropy, importance_sampling, ppo,
-  cispo, dro, dpo), ``PPOLoss`` and ``CrossEntropyLoss(reduction='sum')`` are sums over weighted
-  tokens (Tinker semantics) and accumulate as sums: nothing is divided by k, which equals one
-  step on the concatenated batch (InfoNCE: see below). Either way the optimizer runs on every
+  counts 1/k, as upstream's clip_grad_norm divides the window's gradient by its number of calls
+  (assumed: the usual loop, one forward_backward per `clip_grad_and_step`). The Tinker names
+  (cross_entropy, importance_sampling, ppo, cispo, dro, dpo), ``PPOLoss`` and
+  ``CrossEntropyLoss(reduction='sum')`` are sums over weighted tokens (Tinker semantics) and
+  accumulate as sums: nothing is divided by k, which equals one step on the concatenated batch
+  (InfoNCE: see below). Either way the optimizer runs on every
   k-th call of `step`, with the accumulated gradient of the forward_backward calls since the last
   applied step. Inside an accumulation window `zero_grad` and `lr_step` are no-ops (as upstream),
   so the usual loop ``forward_backward(...); clip_grad_and_step()`` works for any k.
