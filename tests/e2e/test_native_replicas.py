@@ -157,9 +157,13 @@ def test_a_loop_alternating_replicas_equals_one_replica(env):
     assert mixed["resume_info"]["cur_step"] == single["resume_info"]["cur_step"] == 2
     assert mixed["losses"][-1] < mixed["losses"][0]
     # the models' state lives in the Trainers (the replica the model id routes to), not in the
-    # gateways: the 4 models of the two scripts are all hosted there
+    # gateways: one model per session (each client's session on the base model) hosted there
     hosted = [m for t in trainers for m in t.native.model_ids()]
-    assert len(hosted) == 4, hosted
+    assert (
+        sorted(hosted)
+        == sorted(m for c in (one, both) for m in hosted if m.startswith(c.session_id))
+        and len(hosted) == 2
+    ), hosted
     one.close()
     both.close()
 
@@ -169,20 +173,18 @@ def test_ownership_is_checked_on_every_replica(env):
     key, bob_key = keys["alice"], keys["bob"]
     alice, _ = _client(replicas.ports, key)
     m = RemoteModel(BASE, client=alice)  # created through replica 0
-    m.add_adapter_to_model("default", {"r": 4})  # served by replica 1
-    for port in replicas.ports:  # bob guesses the id: 404 on either replica
+    m.add_adapter_to_model("owned", {"r": 4})  # served by replica 1
+    for port in replicas.ports:  # bob sends alice's session (her model's handle): 404 on either
         bob, _ = _client([port], bob_key)
-        stolen = RemoteModel(BASE, client=bob)
-        stolen.remote_id = m.remote_id
-        with pytest.raises(twinkle_client.NotFoundError, match="model_id"):
-            stolen.get_train_configs()
+        bob._http.headers["X-Twinkle-Session-Id"] = alice.session_id
+        with pytest.raises(twinkle_client.NotFoundError, match="session"):
+            RemoteModel(BASE, client=bob)
         bob.close()
-    m.close()  # through one replica; the other one no longer finds it either
+    m.close()  # frees the adapter through one replica; no replica finds it any more
     for port in replicas.ports:
         again, _ = _client([port], key)
-        gone = RemoteModel(BASE, client=again)
-        gone.remote_id = m.remote_id
-        with pytest.raises(twinkle_client.NotFoundError, match="model_id"):
-            gone.get_train_configs()
+        again._http.headers["X-Twinkle-Session-Id"] = alice.session_id
+        with pytest.raises(twinkle_client.NotFoundError, match="owned"):
+            RemoteModel(BASE, client=again).get_train_configs(adapter_name="owned")
         again.close()
     alice.close()
