@@ -275,7 +275,7 @@ class SampleDelta:
 # -- native Twinkle API models (engine/native/host.py) ------------------------------------------
 
 #: methods of `engine.local.model.MultiLoraTransformersModel` a native model serves remotely, by
-#: name (``POST /api/v1/twinkle/model/{method}``); any other name is refused before any work
+#: name (``POST /api/v1/model/<base>/twinkle/{method}``); any other name is refused before any work
 NATIVE_MODEL_METHODS = frozenset(
     {
         "add_adapter_to_model",

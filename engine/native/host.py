@@ -1,13 +1,13 @@
 """The native models a Trainer replica hosts, keyed by model id.
 
-A native model (``POST /api/v1/twinkle/model/create``) is the engine's own
-`MultiLoraTransformersModel` whose compute runs through this Trainer (`TrainerBackend`). Its state
-(loss, optimizer, LR schedule, template and processor settings, accumulation counters, metrics,
-the inputs `forward` cached for `backward`) lives here, next to its adapters, so any gateway
-replica can serve any call: the gateway routes every call by model id
+A native model (``POST /api/v1/model/<base>/twinkle/create``: one per session and base model) is
+the engine's own `MultiLoraTransformersModel` whose compute runs through this Trainer
+(`TrainerBackend`). Its state (loss, optimizer, LR schedule, template and processor settings,
+accumulation counters, metrics, the inputs `forward` cached for `backward`) lives here, next to its
+adapters, so any gateway replica can serve any call: the gateway routes every call by model id
 (`engine.protocol.trainer_route_key`) and keeps only who owns the model. A Trainer restart loses
-them, as it loses the adapters; the gateway then answers 404 and the client recreates the model
-and resumes from a checkpoint.
+them, as it loses the adapters; the gateway then answers 404 and the client recreates the model and
+resumes from a checkpoint.
 
 Calls on one model run one at a time, in arrival order (one lock per model: the class is not
 thread-safe); calls on different models run concurrently on worker threads and meet in the

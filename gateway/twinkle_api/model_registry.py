@@ -1,13 +1,12 @@
 """Who owns which native model: one record per model id in the shared KV store.
 
-A native model (``POST /twinkle/model/create``) lives in the Trainer replica that holds its
-adapters (engine/native/host.py: its loss, optimizer, schedule, accumulation counters). The
-gateway keeps only ownership (user, session, base model), in the KV store the futures use: Redis
-when configured, so every gateway replica checks ownership and serves any native call; otherwise
-process memory, which is enough for the one replica that may run without Redis
-(gateway/config.py refuses several replicas without it). Lookups filter by the caller's user id
-and answer 404 otherwise, as every other ownership check does.
-"""
+A native model (``POST /api/v1/model/<base>/twinkle/create``: one per session and base model) lives
+in the Trainer replica that holds its adapters (engine/native/host.py: its loss, optimizer,
+schedule, accumulation counters). The gateway keeps only ownership (user, session, base model), in
+the KV store the futures use: Redis when configured, so every gateway replica checks ownership and
+serves any native call; otherwise process memory, which is enough for the one replica that may run
+without Redis (gateway/config.py refuses several replicas without it). Lookups filter by the
+caller's user id and answer 404 otherwise, as every other ownership check does."""
 
 from __future__ import annotations
 
