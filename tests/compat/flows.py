@@ -6,7 +6,7 @@ see shared docs twinkle-native-protocol.md), on our own small data, so that CI (
 upstream checkout) runs them with upstream's real client. Each flow prints one line
 ``RESULT <json>`` that tests/e2e/test_upstream_client.py checks and compares across clients.
 
-    python flows.py {labels|sft|dpo|grpo|tinker_dpo|embedding|tenant} [--other-key KEY]
+    python flows.py {labels|sft|dpo|grpo|tinker_sft|tinker_dpo|embedding|tenant} [--other-key KEY]
 
 Environment: TWINKLE_SERVER_URL, TWINKLE_SERVER_TOKEN, TWINKLE_MODEL_ID_ALIASES (maps
 ``ms://twinkle/tiny-chat`` to the tiny model's folder, so upstream's client-side Template loads
@@ -229,6 +229,43 @@ def flow_tinker_dpo() -> None:
     out(losses=losses, metrics=metrics)
 
 
+def flow_tinker_sft() -> None:
+    """upstream's tinker/self_cognition.py + sample.py through its patched tinker 0.16.1
+    (init_tinker_client): upstream-converted datums, cross_entropy + optim_step, save_state, a
+    sampling client from the twinkle:// path, the REST client's run list."""
+    from tinker import types
+    from twinkle import init_tinker_client
+    from twinkle.server.common.datum import input_feature_to_datum
+
+    init_tinker_client()
+    from tinker import ServiceClient
+
+    service = ServiceClient(
+        base_url=os.environ["TWINKLE_SERVER_URL"], api_key=os.environ["TWINKLE_SERVER_TOKEN"]
+    )
+    tc = service.create_lora_training_client(base_model=BASE, rank=16)
+    datums = [input_feature_to_datum(dict(r)) for r in sft_rows(8)]
+    losses = []
+    for _ in range(3):
+        fb = tc.forward_backward(datums, "cross_entropy").result()
+        n = sum(float(d.loss_fn_inputs["weights"].to_numpy().sum()) for d in datums)
+        lp = [o["logprobs"].to_numpy() for o in fb.loss_fn_outputs]
+        losses.append(float(fb.metrics["loss:sum"]) / n)
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    path = tc.save_state("twinkle-lora-0").result().path
+    sampler_path = tc.save_weights_for_sampler("twinkle-lora-0-s").result().path
+    sc = service.create_sampling_client(
+        model_path=sampler_path.replace("tinker://", "twinkle://"), base_model=BASE
+    )
+    prompt = types.ModelInput.from_ints(datums[0].model_input.to_ints()[:6])
+    res = sc.sample(
+        prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=8, temperature=0.2)
+    ).result()
+    runs = service.create_rest_client().list_training_runs(limit=50).result().training_runs
+    out(losses=losses, path=path, n_logprobs=len(lp), sequences=len(res.sequences),
+        runs=len(runs))  # fmt: skip
+
+
 PAIRS = [
     ("What is the capital of France?", "Paris is the capital city of France."),
     ("How do plants make food?", "Plants use photosynthesis to make food from sunlight."),
@@ -319,5 +356,6 @@ if __name__ == "__main__":
         flow_tenant(sys.argv[sys.argv.index("--other-key") + 1])
     else:
         flows = {"labels": flow_labels, "sft": flow_sft, "dpo": flow_dpo, "grpo": flow_grpo}
-        flows.update(tinker_dpo=flow_tinker_dpo, embedding=flow_embedding)
+        flows.update(tinker_dpo=flow_tinker_dpo, tinker_sft=flow_tinker_sft)
+        flows["embedding"] = flow_embedding
         flows[name]()

@@ -134,3 +134,13 @@ def test_embedding_trains_equally_through_both_clients(run_flow):
     np.testing.assert_allclose(ours["losses"], up["losses"], rtol=1e-5)
     assert up["losses"][-1] < up["losses"][0]
     assert up["metrics"][-1]["pos_sim"] > up["metrics"][0]["pos_sim"]
+
+
+@pytest.mark.parametrize("client", ["upstream", "ours"])
+def test_tinker_scripts_through_the_patched_sdk(run_flow, client):
+    """upstream's tinker/self_cognition.py + sample.py: init_tinker_client() patches tinker 0.16.1
+    (ours only exports the server URL and key); twinkle:// paths are accepted."""
+    r = run_flow("tinker_sft", client)
+    assert r["losses"][-1] < r["losses"][0]
+    assert r["path"].startswith("tinker://") and r["n_logprobs"] == 8
+    assert r["sequences"] == 2 and r["runs"] == 1
