@@ -18,24 +18,26 @@ allow-list (nothing is imported or instantiated by name).
 
 from __future__ import annotations
 
-import hashlib
 import json
+import re
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Request
 
-from engine.protocol import NATIVE_MODEL_METHODS, native_model_id
-from gateway.accounts.keys import Principal
-from gateway.config import ServerConfig
-from gateway.db.tables import SessionRow
-from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep, owned_session
+from engine.protocol import NATIVE_MODEL_METHODS
+from gateway.deps import DbDep, EngineDep, PrincipalDep, SettingsDep
 from gateway.errors import InvalidRequestError, NotFoundError, NotImplementedOnServerError
 from gateway.twinkle_api.model_calls import SPECIAL, Call, jsonable
 from gateway.twinkle_api.model_registry import NativeModel, NativeModelsDep
+from gateway.twinkle_api.native_deps import (
+    BaseModelDep,
+    NativeSessionDep,
+    OwnedModelDep,
+    session_model_id,
+)
 from gateway.twinkle_api.schemas import NAME_PATTERN
 
 router = APIRouter(prefix="/api/v1/model")
-SESSION_HEADER = "x-twinkle-session-id"
 
 #: upstream's body field for the class name → the engine method's argument
 _CLASS_ARG = {
@@ -66,67 +68,17 @@ _UNAVAILABLE = {
 }
 
 
-def resolve_base_model(config: ServerConfig, base_model: str) -> str:
-    """The served model a URL names: upstream strips ``ms://`` / ``hf://`` client-side, but a
-    hand-written URL may keep it."""
-    name = base_model.split("://", 1)[-1].strip("/")
-    if config.model(name) is None:
-        raise NotFoundError(
-            f"base_model: {name!r} is not served here; available: "
-            f"{', '.join(m.name for m in config.models)}"
-        )
-    return name
-
-
-def _session(request: Request, who: Principal, db) -> SessionRow:
-    sid = request.headers.get(SESSION_HEADER)
-    if not sid:
-        raise InvalidRequestError(
-            "X-Twinkle-Session-Id: header required (init_twinkle_client creates the session "
-            "and sends it with every call)"
-        )
-    return owned_session(db, who, sid)
-
-
-def session_model_id(session_id: str, base_model: str) -> str:
-    """The native model of one session on one base model (upstream's client names none)."""
-    return native_model_id(session_id, hashlib.sha256(base_model.encode()).hexdigest()[:8])
-
-
-async def _owned_model(
-    base_model: str, request: Request, who: PrincipalDep, db: DbDep, config: ConfigDep,
-    models: NativeModelsDep,
-) -> NativeModel:  # fmt: skip
-    name = resolve_base_model(config, base_model)
-    session = _session(request, who, db)
-    model_id = session_model_id(session.id, name)
-    try:
-        return await models.owned(model_id, who.user_id)
-    except NotFoundError:
-        raise NotFoundError(
-            f"model: no model for {name!r} in session {session.id} (the client's constructor "
-            "calls create; after a server restart create it again and resume_from_checkpoint)"
-        ) from None
-
-
-OwnedModelDep = Annotated[NativeModel, Depends(_owned_model)]
-
-
 @router.post("/{base_model:path}/twinkle/create")
 async def create(
-    base_model: str,
-    request: Request,
+    name: BaseModelDep,
+    session: NativeSessionDep,
     who: PrincipalDep,
-    db: DbDep,
     engine: EngineDep,
-    config: ConfigDep,
     models: NativeModelsDep,
     body: Annotated[dict[str, Any] | None, Body()] = None,
 ) -> dict:
-    """Host the session's model on ``base_model`` (idempotent: a second client object in the
+    """Host the session's model on the base model (idempotent: a second client object in the
     same session shares it, as upstream's server does)."""
-    name = resolve_base_model(config, base_model)
-    session = _session(request, who, db)
     model_id = session_model_id(session.id, name)
     try:
         nm = await models.owned(model_id, who.user_id)
@@ -140,8 +92,6 @@ async def create(
 
 
 def _adapter_name(body: dict[str, Any], method: str) -> str:
-    import re
-
     name = body.pop("adapter_name", None)
     if method == "add_adapter_to_model" and not name:
         raise InvalidRequestError("adapter_name: required")
@@ -213,12 +163,11 @@ async def call(
 
 
 @router.get("/{base_model:path}/twinkle/upload_status/{request_id}")
-async def upload_status(base_model: str, request_id: str, who: PrincipalDep) -> dict:
+async def upload_status(name: BaseModelDep, request_id: str, who: PrincipalDep) -> dict:
     raise NotFoundError(f"request_id: no upload {request_id!r} (uploads are not available here)")
 
 
 @router.get("/{base_model:path}/healthz")
-async def healthz(base_model: str, config: ConfigDep) -> dict:
+async def healthz(name: BaseModelDep) -> dict:
     """Liveness of one base model's routes (upstream's per-model health check)."""
-    name = resolve_base_model(config, base_model)
     return {"healthy": True, "detail": name}

@@ -34,7 +34,7 @@ from gateway.errors import InvalidRequestError, NotImplementedOnServerError
 from gateway.openai_api import streaming
 from gateway.quotas.concurrency import SamplingLimiterDep
 from gateway.quotas.metering import SampleMeter
-from gateway.twinkle_api.model_routes import _session, resolve_base_model
+from gateway.twinkle_api.native_deps import BaseModelDep, NativeSessionDep
 from gateway.twinkle_api.sampling import (
     IGNORE_INDEX,
     adapter_dir_of,
@@ -69,31 +69,23 @@ async def _template(request: Request, session_id: str, base_model: str) -> Templ
 
 @router.post("/{base_model:path}/twinkle/create")
 async def create(
-    base_model: str,
-    request: Request,
-    who: PrincipalDep,
-    db: DbDep,
-    config: ConfigDep,
+    name: BaseModelDep,
+    session: NativeSessionDep,
     body: Annotated[dict[str, Any] | None, Body()] = None,
 ) -> dict:
     """Nothing to host: the Sampler serves every session; this checks the model and session."""
-    name = resolve_base_model(config, base_model)
-    _session(request, who, db)
     return {"status": "ok", "base_model": name}
 
 
 @router.post("/{base_model:path}/twinkle/set_template")
 async def set_template(
-    base_model: str,
+    name: BaseModelDep,
+    session: NativeSessionDep,
     req: SamplerTemplateRequest,
     request: Request,
-    who: PrincipalDep,
-    db: DbDep,
     config: ConfigDep,
     settings: SettingsDep,
 ) -> dict:
-    name = resolve_base_model(config, base_model)
-    session = _session(request, who, db)
     spec = TemplateSpec(name=req.template_cls, kwargs=dict(req.model_extra or {}))
     check_template(spec.name, spec.kwargs, "template_cls")
     encoder_for(config, settings, name, spec)  # the tokenizer speaks it
@@ -134,7 +126,8 @@ def _request_parts(req: SampleRequest, db, who, base: str):
 
 @router.post("/{base_model:path}/twinkle/sample")
 async def sample(
-    base_model: str,
+    name: BaseModelDep,
+    session: NativeSessionDep,
     req: SampleRequest,
     request: Request,
     who: PrincipalDep,
@@ -144,8 +137,6 @@ async def sample(
     settings: SettingsDep,
     limiter: SamplingLimiterDep,
 ) -> dict:
-    name = resolve_base_model(config, base_model)
-    session = _session(request, who, db)
     enc = encoder_for(config, settings, name, await _template(request, session.id, name))
     inputs = _inputs(req)
     sp, params, n, adapter_dir = _request_parts(req, db, who, name)
@@ -208,7 +199,8 @@ async def sample(
 
 @router.post("/{base_model:path}/twinkle/sample_stream")
 async def sample_stream(
-    base_model: str,
+    name: BaseModelDep,
+    session: NativeSessionDep,
     req: SampleRequest,
     request: Request,
     who: PrincipalDep,
@@ -220,8 +212,6 @@ async def sample_stream(
 ) -> StreamingResponse:
     """One input, one sample, streamed as NDJSON lines ``{"delta", "finish_reason"}`` while the
     engine generates (upstream's shape); the last line has the finish reason."""
-    name = resolve_base_model(config, base_model)
-    session = _session(request, who, db)
     enc = encoder_for(config, settings, name, await _template(request, session.id, name))
     inputs = _inputs(req)
     sp, params, n, adapter_dir = _request_parts(req, db, who, name)
@@ -270,8 +260,7 @@ async def sample_stream(
 
 
 @router.post("/{base_model:path}/twinkle/{method}")
-async def unavailable(base_model: str, method: str, who: PrincipalDep, config: ConfigDep) -> dict:
-    resolve_base_model(config, base_model)
+async def unavailable(name: BaseModelDep, method: str, who: PrincipalDep) -> dict:
     if method == "add_adapter_to_sampler":
         raise NotImplementedOnServerError(
             "add_adapter_to_sampler: not available on this server: the sampler loads adapters "
