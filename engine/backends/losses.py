@@ -43,12 +43,13 @@ positive, then optional negatives) and 0 for the rows of its group. The backend 
   negatives), with ``use_batch`` 0 only g's own positive and negatives. A MEAN over groups, not a
   sum (upstream's value, so loss curves match); a request is never sliced or split into
   micro-batches. ``temperature`` default 0.1 (upstream's), must be > 0. Outputs: ``embedding``
-  [H] per datum.
+  [H] per datum. The math: engine/backends/embedding_loss.py.
 
 Every loss also accepts ``loss_fn_config["disable_lora"]`` (forward_only only): logprobs of the base
 model, without the adapter.
 
-Upstream Twinkle's Tinker DPO convention (its cookbook ``tinker/dpo.py``; `tinker_dpo`):
+Upstream Twinkle's Tinker DPO convention (its cookbook ``tinker/dpo.py``;
+engine/backends/tinker_dpo.py):
 ``importance_sampling`` with ``dpo_*`` keys in ``loss_fn_config`` (``dpo_beta`` default 0.1,
 ``dpo_sft_weight`` default 0.0, ``dpo_loss_type`` 'sigmoid' only) and
 ``loss_fn_inputs["ref_logps"]`` on every datum runs as ``dpo`` with ``ref_logprobs = ref_logps``
@@ -61,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -69,7 +70,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import UserInputError
-from engine.protocol import DatumInput, ForwardBackwardInput
 
 if TYPE_CHECKING:
     from engine.backends.train_batching import Request
@@ -143,32 +143,6 @@ def dpo(
     margin = beta * ((s_c - r_c) - (s_r - r_r))
     loss = pair_scale * -F.logsigmoid(margin).sum() + sft_weight * sft_scale * (-s_c).sum()
     return loss, margin.detach()
-
-
-def groups_of(anchor: Sequence[bool]) -> list[tuple[int, int]]:
-    """(start, end) row ranges of the groups: each anchor starts one, up to the next anchor."""
-    starts = [i for i, a in enumerate(anchor) if a]
-    return list(zip(starts, [*starts[1:], len(anchor)], strict=True))
-
-
-def infonce(
-    emb: torch.Tensor, anchor: Sequence[bool], temperature: float, use_batch: bool
-) -> torch.Tensor:
-    """InfoNCE over L2-normalised embeddings ``emb`` [B, H] (module doc): mean over groups of
-    the cross-entropy of the anchor's similarities / ``temperature`` with its positive."""
-    groups = groups_of(anchor)
-    if use_batch:
-        docs = [j for s, e in groups for j in range(s + 1, e)]
-        where = {j: k for k, j in enumerate(docs)}
-        q = emb[[s for s, _ in groups]]
-        logits = q @ emb[docs].T / temperature
-        target = torch.tensor([where[s + 1] for s, _ in groups], device=emb.device)
-        return F.cross_entropy(logits, target)
-    parts = []
-    for s, e in groups:
-        logits = (emb[s + 1 : e] @ emb[s]) / temperature
-        parts.append(torch.logsumexp(logits, 0) - logits[0])
-    return torch.stack(parts).mean()
 
 
 # ----------------------------------------------------------------------------------- registry
@@ -329,42 +303,6 @@ def parse_config(
     return cfg, disable
 
 
-#: upstream's Tinker DPO keys → dpo's loss_fn_config keys (None: checked, not passed on)
-TINKER_DPO_KEYS = {"dpo_beta": "beta", "dpo_sft_weight": "sft_weight", "dpo_loss_type": None}
-
-
-def tinker_dpo(inp: ForwardBackwardInput) -> ForwardBackwardInput:
-    """``inp`` rewritten as ``dpo`` when it follows upstream's Tinker DPO convention (module doc);
-    unchanged otherwise."""
-    raw = dict(inp.loss_fn_config or {})
-    keys = sorted(k for k in raw if k.startswith("dpo_"))
-    if inp.loss_fn != "importance_sampling" or not keys:
-        return inp
-    for k in keys:
-        if k not in TINKER_DPO_KEYS:
-            raise UserInputError(
-                f"loss_fn_config.{k}: unknown key; DPO through importance_sampling accepts "
-                f"{', '.join(TINKER_DPO_KEYS)}"
-            )
-    for i, d in enumerate(inp.data):
-        if (d.loss_fn_inputs or {}).get("ref_logps") is None:
-            raise UserInputError(
-                f"loss_fn_config.{keys[0]}: DPO through importance_sampling needs "
-                f"loss_fn_inputs.ref_logps (reference log-probs) on every datum; data[{i}] has none"
-            )
-    loss_type = raw.pop("dpo_loss_type", "sigmoid")
-    if loss_type != "sigmoid":
-        raise UserInputError(
-            f"loss_fn_config.dpo_loss_type: {loss_type!r} is not supported; accepted: sigmoid"
-        )
-    config = {MEAN_REDUCTION: 1.0, **{TINKER_DPO_KEYS.get(k) or k: v for k, v in raw.items()}}
-    data = [
-        DatumInput(d.tokens, {**d.loss_fn_inputs, "ref_logprobs": d.loss_fn_inputs["ref_logps"]})
-        for d in inp.data
-    ]
-    return replace(inp, data=data, loss_fn="dpo", loss_fn_config=config)
-
-
 # ----------------------------------------------------------------------------------- metrics
 
 
@@ -385,25 +323,6 @@ class MetricSums:
 
 
 # ----------------------------------------------------------------------------------- one request
-
-
-def embedding_loss(
-    req: Request,
-    idx: Sequence[int],
-    emb: torch.Tensor,
-    outputs: list[dict[str, np.ndarray]],
-    metrics: MetricSums,
-) -> torch.Tensor:
-    """Loss of an embedding request over all its datums ``idx`` (in order), given their pooled,
-    L2-normalised embeddings ``emb`` [B, H]. Writes ``outputs[i]["embedding"]``."""
-    anchor = [bool(req.data[i].inputs["anchor"][0]) for i in idx]
-    cfg = req.config
-    loss = infonce(emb, anchor, cfg["temperature"], bool(cfg["use_batch"]))
-    e = _f32(emb)
-    for k, i in enumerate(idx):
-        outputs[i] = {"embedding": e[k].copy()}
-    metrics.add("loss:sum", float(loss.detach()))
-    return loss
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.backends.losses import LossSpec, get_loss, parse_config, tinker_dpo
+from engine.backends.losses import LossSpec, get_loss, parse_config
+from engine.backends.tinker_dpo import tinker_dpo
 from engine.errors import UserInputError
 from engine.protocol import ForwardBackwardInput
 

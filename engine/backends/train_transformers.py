@@ -25,6 +25,7 @@ from torch import nn
 from engine.backends import checkpoint_io as ckpt
 from engine.backends import losses
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
+from engine.backends.embedding_loss import embedding_loss
 from engine.backends.lora import (
     adapter_parameters,
     add_adapter,
@@ -307,7 +308,7 @@ class TransformersTrainingBackend(TrainingBackend):
         segments = [] if job.req.disable_lora else [(job.adapter_id, 0, len(idx))]
         with lora_routing(self.model, segments):
             emb = self._embeddings([job.req.data[i] for i in idx])
-        loss = losses.embedding_loss(job.req, idx, emb, job.outputs, job.metrics)
+        loss = embedding_loss(job.req, idx, emb, job.outputs, job.metrics)
         if grad and loss.requires_grad:
             loss.backward()
 

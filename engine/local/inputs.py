@@ -1,5 +1,5 @@
 """Turns the datum formats `engine.local.model.MultiLoraTransformersModel` accepts into
-`DatumInput`, and merges the per-call RL inputs (advantages, old log-probs, reference outputs).
+`DatumInput` (a `Batch` that remembers where each datum position came from).
 
 Three formats, per datum (a list of them, or one dict, is one batch):
 
@@ -32,19 +32,15 @@ Three formats, per datum (a list of them, or one dict, is one batch):
   A dict whose ``input_ids`` is a list of lists is a batch (one datum per row; the keys above
   indexed by row).
 
-Per-call inputs (`apply_call_inputs`), one entry per sample, as upstream's client sends them:
-``advantages`` (a float per sample, or a one-element list, broadcast over the trained positions;
-or per-token lists as below), ``old_logps`` (→ loss input
-``logprobs``) and reference log-probs (→ ``ref_logprobs``). A per-token list is either the trained
-positions only (length = number of weights > 0, scattered there, 0 elsewhere) or one value per
-input position of the row as sent (length = len(input_ids)). They replace per-row values.
+Per-call RL inputs (advantages, old log-probs, reference outputs) are merged by
+`engine.local.call_inputs`; ``task='embedding'`` rows are read by `engine.local.embedding_inputs`.
 
 No torch here: the gateway-facing code paths stay torch-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +68,7 @@ class Batch:
     task: str | None = None
 
 
-def _array(value: Any, field: str) -> np.ndarray:
+def as_array(value: Any, field: str) -> np.ndarray:
     """numpy view of lists, numpy arrays, torch tensors and Tinker TensorData."""
     if hasattr(value, "to_numpy"):
         value = value.to_numpy()
@@ -86,16 +82,16 @@ def _array(value: Any, field: str) -> np.ndarray:
         raise UserInputError(f"{field}: must be an array of numbers") from None
 
 
-def _token_list(value: Any, field: str) -> list[int]:
-    arr = _array(value, field)
+def token_list(value: Any, field: str) -> list[int]:
+    arr = as_array(value, field)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iuf"):
         raise UserInputError(f"{field}: must be a flat list of token ids")
     return [int(x) for x in arr.tolist()]
 
 
-def _is_nested(value: Any) -> bool:
+def is_nested(value: Any) -> bool:
     try:
-        return _array(value, "input_ids").ndim == 2
+        return as_array(value, "input_ids").ndim == 2
     except UserInputError:  # ragged list of lists
         return (
             isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], (list, tuple))
@@ -116,18 +112,18 @@ def row_to_datum(
     item: Mapping[str, Any], field: str = "inputs[0]", label_format: str = "rolled"
 ) -> tuple[DatumInput, np.ndarray, int]:
     """One row-style dict (see module doc): (datum, src, row length)."""
-    ids = np.asarray(_token_list(item["input_ids"], f"{field}.input_ids"), dtype=np.int64)
+    ids = np.asarray(token_list(item["input_ids"], f"{field}.input_ids"), dtype=np.int64)
     full_len = ids.shape[0]
     labels = None
     if item.get("labels") is not None:
-        labels = np.asarray(_token_list(item["labels"], f"{field}.labels"), dtype=np.int64)
+        labels = np.asarray(token_list(item["labels"], f"{field}.labels"), dtype=np.int64)
         if labels.shape != ids.shape:
             raise UserInputError(
                 f"{field}.labels: length {labels.shape[0]} must equal len(input_ids) = {full_len}"
             )
     keep = np.ones(full_len, dtype=bool)
     if item.get("attention_mask") is not None:
-        mask = _array(item["attention_mask"], f"{field}.attention_mask").reshape(-1)
+        mask = as_array(item["attention_mask"], f"{field}.attention_mask").reshape(-1)
         if mask.shape != ids.shape:
             raise UserInputError(f"{field}.attention_mask: length must equal len(input_ids)")
         keep = mask.astype(bool)
@@ -161,7 +157,7 @@ def row_to_datum(
         value = item.get(key)
         if value is None:
             continue
-        arr = _array(value, f"{field}.{key}")
+        arr = as_array(value, f"{field}.{key}")
         if arr.ndim >= 1 and arr.shape[0] == full_len:
             arr = arr[src]
         if key == "advantages" and arr.size == 1:
@@ -185,14 +181,14 @@ def tinker_to_datum(item: Any, field: str = "inputs[0]") -> DatumInput:
         nested = item.get("loss_fn_inputs") or {}
     else:
         model_input, extra, nested = item.model_input, {}, item.loss_fn_inputs or {}
-    tokens = _token_list(model_input, f"{field}.model_input")
-    lfi = {k: _array(v, f"{field}.{k}") for k, v in {**dict(nested), **extra}.items()}
+    tokens = token_list(model_input, f"{field}.model_input")
+    lfi = {k: as_array(v, f"{field}.{k}") for k, v in {**dict(nested), **extra}.items()}
     if "target_tokens" in lfi and "weights" not in lfi:
         lfi["weights"] = np.ones(lfi["target_tokens"].shape, dtype=np.float32)
     return DatumInput(tokens=tokens, loss_fn_inputs=lfi)
 
 
-def _split_row_batch(item: Mapping[str, Any]) -> list[dict[str, Any]]:
+def split_row_batch(item: Mapping[str, Any]) -> list[dict[str, Any]]:
     rows = list(item["input_ids"])
     out = []
     for r in range(len(rows)):
@@ -217,12 +213,8 @@ def convert(inputs: Any, label_format: str = "rolled") -> Batch:
     if isinstance(inputs, Batch):
         return inputs
     if isinstance(inputs, (DatumInput, Mapping)) or hasattr(inputs, "model_input"):
-        if (
-            isinstance(inputs, Mapping)
-            and "input_ids" in inputs
-            and _is_nested(inputs["input_ids"])
-        ):
-            inputs = _split_row_batch(inputs)
+        if isinstance(inputs, Mapping) and "input_ids" in inputs and is_nested(inputs["input_ids"]):
+            inputs = split_row_batch(inputs)
         else:
             inputs = [inputs]
     if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__iter__"):
@@ -259,189 +251,9 @@ def convert(inputs: Any, label_format: str = "rolled") -> Batch:
     return out
 
 
-def _anchor_flag(value: Any, field: str) -> float:
-    try:
-        arr = np.asarray(_array(value, field), dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError):
-        arr = np.array([np.nan, np.nan])
-    if arr.shape != (1,) or arr[0] not in (0.0, 1.0):
-        raise UserInputError(
-            f"{field}: task='embedding' takes one group marker per row, [1] for an anchor (it "
-            "starts a group) or [0] for its positive or a negative; got "
-            f"{np.asarray(value).tolist()!r}"
-        )
-    return float(arr[0])
-
-
-def embedding_row(item: Any, field: str) -> DatumInput:
-    """One row of ``task='embedding'`` (upstream's embedding cookbook): ``input_ids``,
-    ``attention_mask`` (0 = padding, dropped), ``labels`` = [1] (anchor) or [0]; other keys
-    (``position_ids``, dataset columns) are ignored. A DatumInput with ``anchor`` passes as is."""
-    if isinstance(item, DatumInput):
-        if "anchor" not in item.loss_fn_inputs:
-            raise UserInputError(f"{field}.loss_fn_inputs.anchor: required by task='embedding'")
-        return item
-    if not isinstance(item, Mapping) or "input_ids" not in item:
-        raise UserInputError(
-            f"{field}: task='embedding' takes rows with input_ids, attention_mask and labels "
-            "([1] for an anchor, [0] for its positive)"
-        )
-    ids = np.asarray(_token_list(item["input_ids"], f"{field}.input_ids"), dtype=np.int64)
-    if item.get("attention_mask") is not None:
-        mask = _array(item["attention_mask"], f"{field}.attention_mask").reshape(-1)
-        if mask.shape != ids.shape:
-            raise UserInputError(f"{field}.attention_mask: length must equal len(input_ids)")
-        ids = ids[mask.astype(bool)]
-    if ids.shape[0] < 1:
-        raise UserInputError(f"{field}.input_ids: needs at least 1 token")
-    if item.get("labels") is None:
-        raise UserInputError(
-            f"{field}.labels: required by task='embedding' ([1] for an anchor, [0] for its "
-            "positive)"
-        )
-    anchor = _anchor_flag(item["labels"], f"{field}.labels")
-    return DatumInput(
-        tokens=ids.tolist(), loss_fn_inputs={"anchor": np.array([anchor], np.float32)}
-    )
-
-
-def embedding_batch(inputs: Any) -> Batch:
-    """``task='embedding'`` inputs (a row, a batched row dict, or a list of rows) as a Batch of
-    datums with an ``anchor`` marker and no targets (see `embedding_row`)."""
-    if isinstance(inputs, Batch):
-        return inputs
-    if isinstance(inputs, (DatumInput, Mapping)):
-        if (
-            isinstance(inputs, Mapping)
-            and "input_ids" in inputs
-            and _is_nested(inputs["input_ids"])
-        ):
-            inputs = _split_row_batch(inputs)
-        else:
-            inputs = [inputs]
-    if isinstance(inputs, (str, bytes)) or not hasattr(inputs, "__iter__"):
-        raise UserInputError("inputs: must be a row or a list of rows")
-    data = [embedding_row(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
-    if not data:
-        raise UserInputError("inputs: must contain at least one row")
-    src = [np.arange(len(d.tokens)) for d in data]
-    return Batch(data, src, [len(d.tokens) for d in data], task="embedding")
-
-
 def to_datums(inputs: Any, label_format: str = "rolled") -> list[DatumInput]:
     """`convert`'s datums."""
     return convert(inputs, label_format).data
-
-
-# ----------------------------------------------------------------------------------- per call
-
-
-def _trained(d: DatumInput) -> np.ndarray:
-    """bool [N]: positions with a weight > 0 (every position when there are no weights)."""
-    n = len(d.tokens)
-    w = d.loss_fn_inputs.get("weights")
-    if w is None:
-        return np.ones(n, dtype=bool)
-    w = np.asarray(w, dtype=np.float64)
-    if not w.size:
-        return np.zeros(n, dtype=bool)
-    return np.asarray((w.reshape(n, -1) > 0).any(axis=1), dtype=bool)
-
-
-def _per_sample(value: Any, name: str, n: int) -> list[Any]:
-    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__"):
-        raise UserInputError(f"{name}: must be a list with one entry per sample ({n} samples)")
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if len(value) != n:
-        raise UserInputError(f"{name}: {len(value)} entries, expected {n} (one per sample)")
-    return list(value)
-
-
-def _scatter(value: Any, field: str, trained: np.ndarray, src: np.ndarray, row_len: int):
-    """A per-sample value as a float32 [N] loss input (see the module doc)."""
-    try:
-        arr = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise UserInputError(f"{field}: must be a number or a list of numbers") from None
-    n_trained = int(trained.sum())
-    if arr.ndim == 1 and arr.shape[0] == n_trained:
-        out = np.zeros(trained.shape, dtype=np.float64)
-        out[trained] = arr
-    elif arr.ndim == 1 and arr.shape[0] == row_len:
-        out = arr[src]
-    else:
-        got = f"length {arr.shape[0]}" if arr.ndim == 1 else f"shape {list(arr.shape)}"
-        raise UserInputError(
-            f"{field}: {got}, expected {n_trained} (trained positions) or {row_len} (input_ids)"
-        )
-    if not np.all(np.isfinite(out)):
-        raise UserInputError(f"{field}: must be finite")
-    return out.astype(np.float32)
-
-
-def ref_logps_of(ref_outputs: Any) -> Any:
-    """The per-sample ``logps`` of a forward_only result passed as ``ref_outputs``."""
-    if ref_outputs is None:
-        return None
-    if hasattr(ref_outputs, "result") and not isinstance(ref_outputs, Mapping):
-        ref_outputs = ref_outputs.result  # upstream's client response object
-    if not isinstance(ref_outputs, Mapping) or ref_outputs.get("logps") is None:
-        raise UserInputError(
-            "ref_outputs: must be the result of forward_only (a dict with per-sample 'logps')"
-        )
-    return ref_outputs["logps"]
-
-
-def apply_call_inputs(
-    batch: Batch, advantages: Any = None, old_logps: Any = None, ref_logps: Any = None
-) -> Batch:
-    """Batch with the per-call RL inputs merged into its datums' loss inputs (new datums)."""
-    if advantages is None and old_logps is None and ref_logps is None:
-        return batch
-    n = len(batch.data)
-    given = [
-        (name, key, _per_sample(v, name, n))
-        for name, key, v in (
-            ("advantages", "advantages", advantages),
-            ("old_logps", "logprobs", old_logps),
-            ("ref_outputs.logps", "ref_logprobs", ref_logps),
-        )
-        if v is not None
-    ]
-    data = []
-    for i, d in enumerate(batch.data):
-        trained, src, row_len = _trained(d), batch.src[i], batch.row_len[i]
-        lfi = dict(d.loss_fn_inputs)
-        for name, key, values in given:
-            field = f"{name}[{i}]"
-            v = values[i]
-            if key == "advantages" and np.size(v) == 1:  # one value per sample: broadcast
-                try:
-                    a = float(np.asarray(v, dtype=np.float64).reshape(()))
-                except (TypeError, ValueError):
-                    raise UserInputError(f"{field}: {v!r} must be a number") from None
-                if not np.isfinite(a):
-                    raise UserInputError(f"{field}: must be finite")
-                lfi[key] = np.where(trained, a, 0.0).astype(np.float32)
-                continue
-            arr = _scatter(v, field, trained, src, row_len)
-            lfi[key] = arr * trained if key == "advantages" else arr
-        data.append(DatumInput(tokens=d.tokens, loss_fn_inputs=lfi))
-    return Batch(data, batch.src, batch.row_len)
-
-
-def aligned_logps(batch: Batch, logprobs: Sequence[Any]) -> list[list[float]]:
-    """Per-sample log-probs at input positions (``row_len`` long, 0.0 where no datum position
-    maps: padding, and position 0 for hf rows), from the datum-aligned ``logprobs``."""
-    out = []
-    for lp, src, n in zip(logprobs, batch.src, batch.row_len, strict=True):
-        row = np.zeros(n, dtype=np.float64)
-        if lp is not None:
-            a = np.asarray(lp, dtype=np.float64)
-            row[src] = a[:, 0] if a.ndim == 2 else a
-        out.append(row.tolist())
-    return out
 
 
 def weighted_tokens(data: list[DatumInput]) -> float:

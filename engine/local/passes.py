@@ -23,8 +23,8 @@ Result of every pass (lists and floats only, so it crosses HTTP as is)::
     metrics           the backend's metrics (``loss:sum``, ``dpo_*:mean`` ...); for the
                       upstream names ``loss:sum`` is ``loss`` (the backend's is scaled)
 
-With ``task='embedding'`` (InfonceLoss only, and InfonceLoss only with it) the rows are
-sentences with a group marker (`engine.local.inputs.embedding_batch`) and the result is, as
+With ``task='embedding'`` (InfonceLoss only, and InfonceLoss only with it) the rows are sentences
+with a group marker (`engine.local.embedding_inputs.embedding_batch`) and the result is, as
 upstream's outputs: ``loss`` (InfoNCE, a mean over the groups; ``loss_sum`` the same value),
 ``num_tokens`` 0, ``embeddings`` (per sample, the pooled L2-normalised embedding) and ``metrics``.
 """
@@ -37,15 +37,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.errors import UserInputError
-from engine.local.inputs import (
-    Batch,
-    aligned_logps,
-    apply_call_inputs,
-    convert,
-    embedding_batch,
-    ref_logps_of,
-    weighted_tokens,
-)
+from engine.local.call_inputs import aligned_logps, apply_call_inputs, ref_logps_of
+from engine.local.embedding_inputs import embedding_batch
+from engine.local.inputs import Batch, convert, weighted_tokens
 from engine.local.training_config import LOCAL_LOSS_KEYS, UPSTREAM_MEAN, resolve_loss
 from engine.protocol import (
     EMBEDDING_LOSS_FNS,
