@@ -13,14 +13,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
 from typing import cast
 
-import numpy as np
 import torch
-from torch import nn
 
 from engine.backends import checkpoint_io as ckpt
 from engine.backends import losses
@@ -35,7 +32,17 @@ from engine.backends.lora import (
     remove_adapter,
     save_adapter,
 )
-from engine.backends.train_batching import Datum, Request, micro_batches, pad_rows, validate_request
+from engine.backends.train_batching import Datum, micro_batches, pad_rows, validate_request
+from engine.backends.train_common import (
+    AdapterState,
+    Job,
+    adam_step,
+    check_adam,
+    check_spec,
+    new_optimizer,
+    require_grad,
+    spec_shape,
+)
 from engine.errors import (
     AdapterNotFoundError,
     BackendError,
@@ -53,38 +60,6 @@ from engine.protocol import (
 
 log = logging.getLogger(__name__)
 KNOWN_LOSSES = losses.KNOWN_LOSSES
-
-
-@dataclass
-class _Adapter:
-    spec: LoraSpec
-    params: dict[str, nn.Parameter]  # PEFT name → parameter, in optimizer order
-    optimizer: torch.optim.AdamW
-    step: int = 0
-    has_grad: bool = False
-
-
-@dataclass
-class _Job:
-    """One adapter's validated request inside a (possibly fused) run, and its results so far."""
-
-    slot: int
-    adapter_id: str
-    req: Request
-    outputs: list[dict[str, np.ndarray]]
-    metrics: losses.MetricSums = field(default_factory=losses.MetricSums)
-
-    def result(self) -> ForwardBackwardOutput:
-        return ForwardBackwardOutput(outputs=self.outputs, metrics=self.metrics.result())
-
-
-def _new_optimizer(params: dict[str, nn.Parameter]) -> torch.optim.AdamW:
-    # foreach=False: the single-tensor path gives bit-reproducible results across runs.
-    return torch.optim.AdamW(list(params.values()), lr=1e-4, foreach=False)
-
-
-def _shape(spec: LoraSpec) -> tuple:
-    return (spec.rank, spec.alpha, spec.train_attn, spec.train_mlp, spec.train_unembed)
 
 
 class TransformersTrainingBackend(TrainingBackend):
@@ -122,35 +97,23 @@ class TransformersTrainingBackend(TrainingBackend):
         weight = emb.weight
         assert isinstance(weight, torch.Tensor)  # the embedding matrix (a Parameter)
         self.device = weight.device
-        self._adapters: dict[str, _Adapter] = {}
+        self._adapters: dict[str, AdapterState] = {}
 
     # ------------------------------------------------------------------------------- adapters
 
     def _check_spec(self, spec: LoraSpec, error: type[Exception]) -> None:
-        r = spec.rank
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1 or r & (r - 1):
-            raise error(f"lora_config.rank {r!r} must be a power of 2 (1, 2, 4, ...)")
-        if r > self.max_lora_rank:
-            raise error(
-                f"lora_config.rank {r} exceeds max LoRA rank {self.max_lora_rank} "
-                f"for model {self.base_model_name}"
-            )
-        a = spec.alpha
-        if not (isinstance(a, (int, float)) and math.isfinite(a) and a > 0):
-            raise error(f"lora_config.alpha {a!r} must be a positive finite number")
-        if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
-            raise error("lora_config: one of train_attn, train_mlp, train_unembed must be true")
+        check_spec(spec, self.max_lora_rank, self.base_model_name, error)
 
-    def _get(self, adapter_id: str) -> _Adapter:
+    def _get(self, adapter_id: str) -> AdapterState:
         try:
             return self._adapters[adapter_id]
         except KeyError:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} is not loaded") from None
 
-    def _create(self, adapter_id: str, spec: LoraSpec) -> _Adapter:
+    def _create(self, adapter_id: str, spec: LoraSpec) -> AdapterState:
         add_adapter(self.model, adapter_id, spec)
         params = adapter_parameters(self.model, adapter_id)
-        st = _Adapter(spec=spec, params=params, optimizer=_new_optimizer(params))
+        st = AdapterState(spec=spec, params=params, optimizer=new_optimizer(params))
         self._adapters[adapter_id] = st
         return st
 
@@ -198,10 +161,10 @@ class TransformersTrainingBackend(TrainingBackend):
 
     # ------------------------------------------------------------------------------- forward
 
-    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> _Job:
+    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> Job:
         self._get(adapter_id)
         req = validate_request(inp, self.vocab_size, self.max_positions)
-        return _Job(slot, adapter_id, req, outputs=[{} for _ in req.data])
+        return Job(slot, adapter_id, req, outputs=[{} for _ in req.data])
 
     def validate_input(self, inp: ForwardBackwardInput) -> None:
         """Raise the UserInputError the request would fail with, without computing anything
@@ -226,7 +189,7 @@ class TransformersTrainingBackend(TrainingBackend):
                 raise ValueError(f"forward_backward_many: adapter {aid!r} appears more than once")
             seen.add(aid)
         results: list[ForwardBackwardOutput | EngineError | None] = [None] * len(items)
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         for slot, (aid, inp) in enumerate(items):
             try:
                 jobs.append(self._prepare(slot, aid, inp))
@@ -252,7 +215,7 @@ class TransformersTrainingBackend(TrainingBackend):
                 results[j.slot] = err
         return results  # type: ignore[return-value]
 
-    def _execute(self, jobs: list[_Job], *, grad: bool) -> None:
+    def _execute(self, jobs: list[Job], *, grad: bool) -> None:
         """Run ``jobs`` (distinct adapters) as padded micro-batches; with ``grad``, add each loss's
         gradient to its adapter's accumulated gradient (all or nothing)."""
         units = [(j, u) for j, job in enumerate(jobs) for u in job.req.units]
@@ -304,7 +267,7 @@ class TransformersTrainingBackend(TrainingBackend):
         pooled = hidden[torch.arange(len(rows), device=self.device), last].float()
         return torch.nn.functional.normalize(pooled, p=2, dim=-1)
 
-    def _embedding_batch(self, job: _Job, idx: list[int], grad: bool) -> None:
+    def _embedding_batch(self, job: Job, idx: list[int], grad: bool) -> None:
         segments = [] if job.req.disable_lora else [(job.adapter_id, 0, len(idx))]
         with lora_routing(self.model, segments):
             emb = self._embeddings([job.req.data[i] for i in idx])
@@ -312,7 +275,7 @@ class TransformersTrainingBackend(TrainingBackend):
         if grad and loss.requires_grad:
             loss.backward()
 
-    def _micro_batch(self, jobs: list[_Job], units: list[tuple[int, list[int]]], grad: bool):
+    def _micro_batch(self, jobs: list[Job], units: list[tuple[int, list[int]]], grad: bool):
         if len(units) == 1 and jobs[units[0][0]].req.loss.embedding:
             self._embedding_batch(jobs[units[0][0]], units[0][1], grad)
             return
@@ -356,59 +319,12 @@ class TransformersTrainingBackend(TrainingBackend):
 
     # ------------------------------------------------------------------------------- optimizer
 
-    @staticmethod
-    def _check_adam(p: AdamParams) -> None:
-        in_01 = (lambda v: 0 <= v < 1, "in [0, 1)")
-        non_neg = (lambda v: v >= 0, ">= 0")
-        rules = {
-            "learning_rate": non_neg,
-            "beta1": in_01,
-            "beta2": in_01,
-            "eps": (lambda v: v > 0, "> 0"),
-            "weight_decay": non_neg,
-            "grad_clip_norm": non_neg,
-        }
-        for name, (ok, rule) in rules.items():
-            v = getattr(p, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and ok(v)):
-                raise UserInputError(f"adam_params.{name} {v!r} must be a finite number {rule}")
-
     def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
         st = self._get(adapter_id)
-        self._check_adam(params)
-        if not st.has_grad:
-            raise UserInputError(
-                "optim_step: no gradient accumulated since the last optim_step; "
-                "call forward_backward first"
-            )
-        plist = list(st.params.values())
-        grads: list[torch.Tensor] = []
-        for p in plist:  # a parameter unused in the graph gets a zero gradient, not a skipped step
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        with torch.no_grad():
-            norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
-            if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
-                coef = params.grad_clip_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-                for g in grads:
-                    g.mul_(coef)
-        for group in st.optimizer.param_groups:
-            group["lr"] = float(params.learning_rate)
-            group["betas"] = (float(params.beta1), float(params.beta2))
-            group["eps"] = float(params.eps)
-            group["weight_decay"] = float(params.weight_decay)
-        st.optimizer.step()
-        st.optimizer.zero_grad(set_to_none=True)
-        st.step += 1
-        st.has_grad = False
-        return OptimStepOutput(
-            metrics={
-                "grad_norm": norm,
-                "learning_rate": float(params.learning_rate),
-                "step": float(st.step),
-            }
-        )
+        check_adam(params)
+        grads = require_grad(st)
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+        return adam_step(st, grads, norm, params)
 
     # ------------------------------------------------------------------------------- checkpoints
 
@@ -435,7 +351,9 @@ class TransformersTrainingBackend(TrainingBackend):
             st = self._create(adapter_id, spec)
         else:
             st = self._adapters[adapter_id]
-            if _shape(st.spec) != _shape(spec):  # the seed may differ: it only matters at init
+            if spec_shape(st.spec) != spec_shape(
+                spec
+            ):  # the seed may differ: it only matters at init
                 raise CheckpointError(
                     f"checkpoint {path} (rank {spec.rank}, alpha {spec.alpha}) does not match "
                     f"adapter {adapter_id!r} (rank {st.spec.rank}, alpha {st.spec.alpha}) or its "
@@ -443,7 +361,7 @@ class TransformersTrainingBackend(TrainingBackend):
                 )
         try:
             # Everything that can fail on a bad file runs before the adapter is modified.
-            optimizer = _new_optimizer(st.params)
+            optimizer = new_optimizer(st.params)
             if saved_opt is not None:
                 try:
                     optimizer.load_state_dict(

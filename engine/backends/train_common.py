@@ -1,0 +1,126 @@
+"""What both training backends (Transformers, Megatron) share about adapters and their optimizer.
+
+Owns the per-adapter state (`AdapterState`), one request's results inside a fused run (`Job`),
+the spec and Adam-parameter checks with their error texts, the AdamW construction (single-tensor
+path: bit-reproducible), and one optimizer step given the gradient's global norm (clipping as
+``torch.nn.utils.clip_grad_norm_``). The backends differ only in where gradients live and how
+their norm is summed (one process, or shards over tensor/pipeline ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.backends import losses
+from engine.backends.train_batching import Request
+from engine.errors import UserInputError
+from engine.protocol import AdamParams, ForwardBackwardOutput, LoraSpec, OptimStepOutput
+
+
+@dataclass
+class AdapterState:
+    spec: LoraSpec
+    params: dict[str, nn.Parameter]  # PEFT name → parameter (or this rank's shard), in order
+    optimizer: torch.optim.AdamW
+    step: int = 0
+    has_grad: bool = False
+
+
+@dataclass
+class Job:
+    """One adapter's validated request inside a (possibly fused) run, and its results so far."""
+
+    slot: int
+    adapter_id: str
+    req: Request
+    outputs: list[dict[str, np.ndarray]]
+    metrics: losses.MetricSums = field(default_factory=losses.MetricSums)
+
+    def result(self) -> ForwardBackwardOutput:
+        return ForwardBackwardOutput(outputs=self.outputs, metrics=self.metrics.result())
+
+
+def new_optimizer(params: dict[str, nn.Parameter]) -> torch.optim.AdamW:
+    # foreach=False: the single-tensor path gives bit-reproducible results across runs.
+    return torch.optim.AdamW(list(params.values()), lr=1e-4, foreach=False)
+
+
+def spec_shape(spec: LoraSpec) -> tuple:
+    """What must match for a checkpoint to load into an existing adapter (not the seed)."""
+    return (spec.rank, spec.alpha, spec.train_attn, spec.train_mlp, spec.train_unembed)
+
+
+def check_spec(spec: LoraSpec, max_rank: int, model_name: str, error: type[Exception]) -> None:
+    r = spec.rank
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1 or r & (r - 1):
+        raise error(f"lora_config.rank {r!r} must be a power of 2 (1, 2, 4, ...)")
+    if r > max_rank:
+        raise error(f"lora_config.rank {r} exceeds max LoRA rank {max_rank} for model {model_name}")
+    a = spec.alpha
+    if not (isinstance(a, (int, float)) and math.isfinite(a) and a > 0):
+        raise error(f"lora_config.alpha {a!r} must be a positive finite number")
+    if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
+        raise error("lora_config: one of train_attn, train_mlp, train_unembed must be true")
+
+
+def check_adam(p: AdamParams) -> None:
+    in_01 = (lambda v: 0 <= v < 1, "in [0, 1)")
+    non_neg = (lambda v: v >= 0, ">= 0")
+    rules = {
+        "learning_rate": non_neg,
+        "beta1": in_01,
+        "beta2": in_01,
+        "eps": (lambda v: v > 0, "> 0"),
+        "weight_decay": non_neg,
+        "grad_clip_norm": non_neg,
+    }
+    for name, (ok, rule) in rules.items():
+        v = getattr(p, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and ok(v)):
+            raise UserInputError(f"adam_params.{name} {v!r} must be a finite number {rule}")
+
+
+def require_grad(st: AdapterState) -> list[torch.Tensor]:
+    """The adapter's gradients for a step (UserInputError without one); a parameter unused in
+    the graph gets a zero gradient, not a skipped step."""
+    if not st.has_grad:
+        raise UserInputError(
+            "optim_step: no gradient accumulated since the last optim_step; "
+            "call forward_backward first"
+        )
+    grads = []
+    for p in st.params.values():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    return grads
+
+
+def adam_step(st: AdapterState, grads: list[torch.Tensor], norm: float, params: AdamParams):
+    """Clip ``grads`` (whose global L2 norm is ``norm``), step, clear; the step's metrics."""
+    with torch.no_grad():
+        if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+            coef = params.grad_clip_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+            for g in grads:
+                g.mul_(coef)
+    for group in st.optimizer.param_groups:
+        group["lr"] = float(params.learning_rate)
+        group["betas"] = (float(params.beta1), float(params.beta2))
+        group["eps"] = float(params.eps)
+        group["weight_decay"] = float(params.weight_decay)
+    st.optimizer.step()
+    st.optimizer.zero_grad(set_to_none=True)
+    st.step += 1
+    st.has_grad = False
+    return OptimStepOutput(
+        metrics={
+            "grad_norm": norm,
+            "learning_rate": float(params.learning_rate),
+            "step": float(st.step),
+        }
+    )
