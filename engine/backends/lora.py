@@ -296,18 +296,30 @@ def save_adapter(
     base_model_name: str = "",
 ) -> list[Path]:
     """Write the PEFT files of one adapter into an existing ``directory``; returns their paths."""
-    directory = Path(directory)
     params = adapter_parameters(model, adapter_id)
-    tensors = {
-        k: p.detach().to("cpu", torch.float32).contiguous().clone() for k, p in params.items()
-    }
-    weights_path = directory / ADAPTER_WEIGHTS_NAME
-    save_file(tensors, str(weights_path), metadata={"format": "pt"})
     used = sorted(
         {layer.target_name for layer in lora_layers(model) if adapter_id in layer.adapters}
     )
+    return write_adapter_files(directory, params, spec, used, base_model_name)
+
+
+def write_adapter_files(
+    directory: str | Path,
+    tensors: dict[str, torch.Tensor],
+    spec: LoraSpec,
+    targets: list[str],
+    base_model_name: str = "",
+) -> list[Path]:
+    """``adapter_model.safetensors`` (float32, PEFT names) + ``adapter_config.json`` for
+    ``targets`` (short module names) into an existing ``directory``; returns their paths."""
+    directory = Path(directory)
+    tensors = {
+        k: t.detach().to("cpu", torch.float32).contiguous().clone() for k, t in tensors.items()
+    }
+    weights_path = directory / ADAPTER_WEIGHTS_NAME
+    save_file(tensors, str(weights_path), metadata={"format": "pt"})
     config_path = directory / ADAPTER_CONFIG_NAME
-    body = peft_config_dict(spec, used, base_model_name)
+    body = peft_config_dict(spec, sorted(targets), base_model_name)
     config_path.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return [weights_path, config_path]
 
@@ -366,27 +378,36 @@ def read_adapter_config(directory: str | Path, seed: int = 0) -> LoraSpec:
     )
 
 
-def load_adapter_weights(model: nn.Module, adapter_id: str, directory: str | Path) -> None:
-    """Copy ``adapter_model.safetensors`` into an existing adapter of matching shape."""
+def read_adapter_tensors(
+    directory: str | Path, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``adapter_model.safetensors``, checked to be exactly the names and shapes
+    in ``shapes`` (CheckpointError naming the first mismatch)."""
     path = Path(directory) / ADAPTER_WEIGHTS_NAME
     try:
         tensors = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise CheckpointError(f"cannot read {path}: {e}") from None
-    params = adapter_parameters(model, adapter_id)
-    missing = sorted(set(params) - set(tensors))
-    unexpected = sorted(set(tensors) - set(params))
+    missing = sorted(set(shapes) - set(tensors))
+    unexpected = sorted(set(tensors) - set(shapes))
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: tensors do not match the adapter "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    for key, p in params.items():  # check every shape first, so a bad file changes nothing
-        t = tensors[key]
-        if tuple(t.shape) != tuple(p.shape):
+    for key, shape in shapes.items():
+        if tuple(tensors[key].shape) != tuple(shape):
             raise CheckpointError(
-                f"{path}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
+                f"{path}: {key} has shape {tuple(tensors[key].shape)}, expected {tuple(shape)}"
             )
+    return tensors
+
+
+def load_adapter_weights(model: nn.Module, adapter_id: str, directory: str | Path) -> None:
+    """Copy ``adapter_model.safetensors`` into an existing adapter of matching shape (every name
+    and shape is checked first, so a bad file changes nothing)."""
+    params = adapter_parameters(model, adapter_id)
+    tensors = read_adapter_tensors(directory, {k: tuple(p.shape) for k, p in params.items()})
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(tensors[key].to(p.dtype))

@@ -9,7 +9,9 @@ their norm is summed (one process, or shards over tensor/pipeline ranks).
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,8 +20,16 @@ from torch import nn
 
 from engine.backends import losses
 from engine.backends.train_batching import Request
-from engine.errors import UserInputError
-from engine.protocol import AdamParams, ForwardBackwardOutput, LoraSpec, OptimStepOutput
+from engine.errors import BackendError, EngineError, UserInputError
+from engine.protocol import (
+    AdamParams,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    LoraSpec,
+    OptimStepOutput,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -124,3 +134,46 @@ def adam_step(st: AdapterState, grads: list[torch.Tensor], norm: float, params: 
             "step": float(st.step),
         }
     )
+
+
+def run_fused(
+    items: Sequence[tuple[str, ForwardBackwardInput]],
+    prepare: Callable[[int, str, ForwardBackwardInput], Job],
+    execute: Callable[..., None],
+) -> list[ForwardBackwardOutput | EngineError]:
+    """`TrainingBackend.forward_backward_many` over a backend's ``prepare(slot, adapter_id, inp)``
+    (validates, raises the item's EngineError) and ``execute(jobs, grad=...)`` (one fused pass
+    of distinct adapters, all or nothing). Each slot gets its output or its own EngineError; a
+    compute failure fails every item of its pass (training items, or forward_only items).
+    Duplicate adapter ids raise ValueError."""
+    seen: set[str] = set()
+    for aid, _ in items:
+        if aid in seen:
+            raise ValueError(f"forward_backward_many: adapter {aid!r} appears more than once")
+        seen.add(aid)
+    results: list[ForwardBackwardOutput | EngineError | None] = [None] * len(items)
+    jobs: list[Job] = []
+    for slot, (aid, inp) in enumerate(items):
+        try:
+            jobs.append(prepare(slot, aid, inp))
+        except EngineError as e:
+            results[slot] = e
+    for grad in (True, False):
+        group = [j for j in jobs if j.req.forward_only != grad]
+        if not group:
+            continue
+        try:
+            execute(group, grad=grad)
+        except EngineError as e:
+            err: EngineError = e
+        except Exception as e:
+            log.exception("fused forward_backward failed")
+            err = BackendError(f"forward_backward failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+        else:
+            for j in group:
+                results[j.slot] = j.result()
+            continue
+        for j in group:
+            results[j.slot] = err
+    return results  # type: ignore[return-value]

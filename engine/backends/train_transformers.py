@@ -41,11 +41,11 @@ from engine.backends.train_common import (
     check_spec,
     new_optimizer,
     require_grad,
+    run_fused,
     spec_shape,
 )
 from engine.errors import (
     AdapterNotFoundError,
-    BackendError,
     CheckpointError,
     EngineError,
     UserInputError,
@@ -183,37 +183,7 @@ class TransformersTrainingBackend(TrainingBackend):
         its output or its own EngineError (a bad item does not stop the others); a compute failure
         fails every item of its pass (training items, or forward_only items) and leaves their
         accumulated gradients as they were. Duplicate adapter ids raise ValueError."""
-        seen: set[str] = set()
-        for aid, _ in items:
-            if aid in seen:
-                raise ValueError(f"forward_backward_many: adapter {aid!r} appears more than once")
-            seen.add(aid)
-        results: list[ForwardBackwardOutput | EngineError | None] = [None] * len(items)
-        jobs: list[Job] = []
-        for slot, (aid, inp) in enumerate(items):
-            try:
-                jobs.append(self._prepare(slot, aid, inp))
-            except EngineError as e:
-                results[slot] = e
-        for grad in (True, False):
-            group = [j for j in jobs if j.req.forward_only != grad]
-            if not group:
-                continue
-            try:
-                self._execute(group, grad=grad)
-            except EngineError as e:
-                err: EngineError = e
-            except Exception as e:
-                log.exception("fused forward_backward failed")
-                err = BackendError(f"forward_backward failed: {type(e).__name__}: {e}")
-                err.__cause__ = e
-            else:
-                for j in group:
-                    results[j.slot] = j.result()
-                continue
-            for j in group:
-                results[j.slot] = err
-        return results  # type: ignore[return-value]
+        return run_fused(items, self._prepare, self._execute)
 
     def _execute(self, jobs: list[Job], *, grad: bool) -> None:
         """Run ``jobs`` (distinct adapters) as padded micro-batches; with ``grad``, add each loss's
