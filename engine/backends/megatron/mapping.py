@@ -76,7 +76,7 @@ class TensorReader:
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif (root / "model.safetensors").is_file():
             with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118
+                weight_map = dict.fromkeys(f.keys(), "model.safetensors")  # noqa: SIM118
         else:
             raise ConfigError(f"{root}: no model.safetensors (the Megatron backend reads safetensors)")
         handles: dict[str, object] = {}
