@@ -40,8 +40,19 @@ def _transformers(model: ModelConfig, data_dir: str) -> TrainingBackend:
 
 
 def _megatron(model: ModelConfig, data_dir: str) -> TrainingBackend:
-    raise ConfigError(
-        f"model {model.name!r}: backend 'megatron' is not built yet; use backend 'transformers'"
+    from engine.backends.megatron.backend import MegatronTrainingBackend
+
+    mc = model.megatron_config()
+    return MegatronTrainingBackend(
+        _model_dir(model, data_dir),
+        tensor_parallel=mc.tensor_parallel,
+        pipeline_parallel=mc.pipeline_parallel,
+        max_lora_rank=model.max_lora_rank,
+        base_model_name=model.name,
+        micro_batch_tokens=mc.micro_batch_tokens,
+        params_dtype=mc.params_dtype,
+        worker_num_cpus=mc.worker_num_cpus,
+        worker_num_gpus=mc.worker_num_gpus,
     )
 
 

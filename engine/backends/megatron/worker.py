@@ -172,6 +172,10 @@ class MegatronWorker:
         st = self._adapters.get(adapter_id)
         return bool(st is not None and st.has_grad)
 
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":  # CUDA launches are asynchronous; CPU ops are not
+            torch.cuda.synchronize(self.device)
+
     # ------------------------------------------------------------------------------- passes
 
     def validate_input(self, inp: ForwardBackwardInput) -> None:
