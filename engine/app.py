@@ -49,11 +49,24 @@ def sampler_app(model: ModelConfig, data_dir: str, i: int = 0) -> Application:
     ).bind(model.model_dump(), data_dir)
 
 
+def check_models(config: EngineConfig, data_dir: str) -> None:
+    """Refuse, before any replica starts, a Megatron model its parallel sizes cannot split or
+    whose architecture the backend cannot host (reads config.json only; a ConfigError names
+    the field)."""
+    from engine.backends.megatron.arch import read_arch
+
+    for m in config.models:
+        if m.backend == "megatron":
+            mc = m.megatron_config()
+            read_arch(m.files_dir(data_dir), tp=mc.tensor_parallel, pp=mc.pipeline_parallel)
+
+
 def engine_apps(config: EngineConfig, data_dir: str) -> dict[str, dict[str, list[Application]]]:
     """``{base_model: {"trainer": [app per replica], "sampler": [...]}}`` to bind into the
     gateway. Each replica is its own single-replica deployment, because the gateway must choose
     the replica (an adapter lives in one Trainer; a sampling session sticks to one Sampler): see
     gateway/engine_client.py."""
+    check_models(config, data_dir)
     return {
         m.name: {
             "trainer": [

@@ -31,6 +31,66 @@ class ReplicaConfig(_Strict):
     num_gpus: float = Field(default=0, ge=0, description="GPUs reserved per replica")
 
 
+class MegatronConfig(_Strict):
+    """How a ``backend: megatron`` model is split: one Trainer replica drives TP x PP ranks."""
+
+    tensor_parallel: int = Field(
+        default=1, ge=1, description="Tensor-parallel ranks; must divide the KV heads and vocab"
+    )
+    pipeline_parallel: int = Field(
+        default=1, ge=1, description="Pipeline stages (1F1B); must divide the layer count"
+    )
+    sequence_parallel: bool = Field(
+        default=False,
+        description="Megatron sequence parallelism: not supported (CPU: no; GPU: the LoRA hooks "
+        "would see sequence-sharded inputs); false",
+    )
+    recompute_granularity: Literal["none", "selective"] = Field(
+        default="none",
+        description="Activation recompute: none or selective (core attention). Full recompute "
+        "is not supported: it re-runs the LoRA hooks outside their routing context",
+    )
+    params_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="Base weights' dtype; bfloat16 needs GPUs"
+    )
+    micro_batch_tokens: int = Field(
+        default=16384,
+        ge=16,
+        description="Tokens per micro-batch through megatron's schedule (pipeline stages "
+        "overlap micro-batches; smaller means less activation memory)",
+    )
+    worker_num_cpus: float = Field(
+        default=1.0, gt=0, description="CPUs reserved per rank actor (TP x PP > 1)"
+    )
+    worker_num_gpus: Literal[0, 1] = Field(
+        default=0, description="GPUs per rank actor: 0 (CPU, gloo) or 1 (CUDA, NCCL)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_full_recompute(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("recompute_granularity") == "full":
+            raise ValueError(
+                "recompute_granularity: full is not supported by the multi-LoRA Megatron "
+                "backend (use none or selective)"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.sequence_parallel:
+            why = (
+                "needs GPUs (worker_num_gpus: 1), not CPU"
+                if self.worker_num_gpus == 0
+                else "is not supported by the multi-LoRA hooks yet (they would see "
+                "sequence-sharded inputs)"
+            )
+            raise ValueError(f"sequence_parallel {why}")
+        if self.worker_num_gpus == 0 and self.params_dtype == "bfloat16":
+            raise ValueError("params_dtype bfloat16 needs GPUs (worker_num_gpus: 1)")
+        return self
+
+
 class ModelConfig(_Strict):
     name: str = Field(description="Base model name clients use (e.g. twinkle/tiny-chat)")
     path: str | None = Field(
@@ -40,8 +100,12 @@ class ModelConfig(_Strict):
     # registry is not imported here, so loading a config never imports a backend).
     backend: Literal["transformers", "megatron", "mock"] = Field(
         default="transformers",
-        description="Training backend: transformers (CPU or one GPU), megatron (not built yet), "
-        "or mock (deterministic, no torch; routing tests only)",
+        description="Training backend: transformers (CPU or one GPU), megatron (Megatron-Core "
+        "with tensor/pipeline parallelism; the `megatron` extra; `use_megatron: true` is the "
+        "same), or mock (deterministic, no torch; routing tests only)",
+    )
+    megatron: MegatronConfig | None = Field(
+        default=None, description="Parallelism for backend megatron (default: one rank)"
     )
     sampler_type: Literal["torch", "vllm", "mock"] = Field(
         default="torch",
@@ -99,7 +163,16 @@ class ModelConfig(_Strict):
             raise ValueError(
                 f"model {self.name!r} needs a 'path' (only {TINY_MODEL_NAME} is built in)"
             )
+        if self.megatron is not None and self.backend != "megatron":
+            raise ValueError(
+                f"a 'megatron' section needs backend megatron (use_megatron: true), "
+                f"not {self.backend!r}"
+            )
         return self
+
+    def megatron_config(self) -> MegatronConfig:
+        """The ``megatron`` section, or its defaults (one rank, float32, CPU)."""
+        return self.megatron if self.megatron is not None else MegatronConfig()
 
     def files_dir(self, data_dir: str | Path) -> Path:
         """This model's HF folder: ``path``, or the built-in model's folder under

@@ -30,7 +30,7 @@ FIND=()
 [[ -d /opt/wheels ]] && FIND=(--find-links /opt/wheels)   # the provisioned torch CPU wheel
 TORCH=$(grep -E '^torch==' constraints.txt)
 "${PIP[@]}" install "${FIND[@]}" "$TORCH"
-"${PIP[@]}" install "${FIND[@]}" -c constraints.txt -e '.[dev]' -e ./client
+"${PIP[@]}" install "${FIND[@]}" -c constraints.txt -e '.[dev,megatron]' -e ./client
 .venv/bin/python -c 'import torch; assert torch.__version__.startswith("2.13"), torch.__version__'
 echo "$WANT" > $STAMP
 echo "[install] done: .venv/bin/twinkle" >&2

@@ -6,9 +6,9 @@ so importing this registry (or building ``mock``) loads no torch, transformers o
 optional dependency that is missing fails only the model that names it. An unknown name is a
 `ConfigError` listing the known ones (engine/config.py validates the same names at load time).
 
-Names: training ``transformers`` (HF + multi-LoRA, CPU or one GPU), ``megatron`` (registered;
-its builder says it is not built yet), ``mock`` (deterministic, no torch: routing tests only);
-sampling ``torch``, ``vllm`` (GPU, the ``gpu`` extra), ``mock``.
+Names: training ``transformers`` (HF + multi-LoRA, CPU or one GPU), ``megatron`` (Megatron-Core,
+TP x PP ranks per replica; the ``megatron`` extra), ``mock`` (deterministic, no torch: routing
+tests only); sampling ``torch``, ``vllm`` (GPU, the ``gpu`` extra), ``mock``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def _megatron(model: ModelConfig, data_dir: str) -> TrainingBackend:
         base_model_name=model.name,
         micro_batch_tokens=mc.micro_batch_tokens,
         params_dtype=mc.params_dtype,
+        recompute=mc.recompute_granularity,
         worker_num_cpus=mc.worker_num_cpus,
         worker_num_gpus=mc.worker_num_gpus,
     )

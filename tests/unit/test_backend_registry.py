@@ -63,9 +63,9 @@ def test_config_rejects_unknown_names_listing_the_known_ones() -> None:
             EngineConfig.from_dict({"models": [{"name": TINY, key: "nope"}]})
 
 
-def test_megatron_is_registered_but_not_built_yet() -> None:
-    cfg = ModelConfig(name=TINY, backend="megatron")
-    with pytest.raises(ConfigError, match="backend 'megatron' is not built yet"):
+def test_megatron_on_a_missing_model_is_a_config_error() -> None:
+    cfg = ModelConfig(name="m", path="/nonexistent", backend="megatron")
+    with pytest.raises(ConfigError, match="path ./nonexistent. does not exist"):
         build_training_backend(cfg, "/nonexistent")
 
 
@@ -86,6 +86,17 @@ def test_builds_the_real_backends_by_name(tiny_model_dir) -> None:
     trainer = build_training_backend(cfg, "/nonexistent")
     assert isinstance(trainer, TransformersTrainingBackend) and trainer.max_lora_rank == 16
     assert isinstance(build_sampling_backend(cfg, "/nonexistent"), TorchSamplingBackend)
+
+
+def test_builds_the_megatron_backend_by_name(tiny_model_dir) -> None:
+    from engine.backends.megatron.backend import MegatronTrainingBackend
+
+    cfg = ModelConfig(name="tiny", path=str(tiny_model_dir), use_megatron=True, max_lora_rank=16)
+    trainer = build_training_backend(cfg, "/nonexistent")
+    try:
+        assert isinstance(trainer, MegatronTrainingBackend) and trainer.max_lora_rank == 16
+    finally:
+        trainer.close()
 
 
 def test_building_mock_imports_no_torch() -> None:

@@ -24,8 +24,11 @@ FAMILIES = {
     "LlamaForCausalLM": "llama",
 }
 #: Megatron's hard-coded llama3 RoPE scaling constants (megatron/core/.../rotary_pos_embedding.py)
-LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,9 @@ def arch_from_hf_config(cfg: dict[str, Any], *, tp: int = 1, pp: int = 1) -> Arc
             f"(supported: {', '.join(sorted(FAMILIES))}); use backend 'transformers'"
         )
     if cfg.get("use_sliding_window"):
-        raise ConfigError("config.json: use_sliding_window is not supported by the Megatron backend")
+        raise ConfigError(
+            "config.json: use_sliding_window is not supported by the Megatron backend"
+        )
     hidden = int(_get(cfg, "hidden_size"))
     heads = int(_get(cfg, "num_attention_heads"))
     groups = int(cfg.get("num_key_value_heads") or heads)
@@ -111,12 +116,11 @@ def arch_from_hf_config(cfg: dict[str, Any], *, tp: int = 1, pp: int = 1) -> Arc
         raise ConfigError(f"megatron.tensor_parallel {tp} must divide vocab_size {vocab}")
     if int(_get(cfg, "intermediate_size")) % tp:
         raise ConfigError(
-            f"megatron.tensor_parallel {tp} must divide intermediate_size {cfg['intermediate_size']}"
+            f"megatron.tensor_parallel {tp} must divide intermediate_size "
+            f"{cfg['intermediate_size']}"
         )
     if layers % pp:
-        raise ConfigError(
-            f"megatron.pipeline_parallel {pp} must divide num_hidden_layers {layers}"
-        )
+        raise ConfigError(f"megatron.pipeline_parallel {pp} must divide num_hidden_layers {layers}")
     return Arch(
         family=family,
         num_layers=layers,

@@ -87,6 +87,7 @@ class MegatronTrainingBackend(TrainingBackend):
         base_model_name: str = "",
         micro_batch_tokens: int = 16384,
         params_dtype: str = "float32",
+        recompute: str = "none",
         worker_num_cpus: float = 1.0,
         worker_num_gpus: float = 0.0,
     ) -> None:
@@ -105,6 +106,7 @@ class MegatronTrainingBackend(TrainingBackend):
             "base_model_name": base_model_name,
             "micro_batch_tokens": micro_batch_tokens,
             "params_dtype": params_dtype,
+            "recompute": recompute,
         }
         self._local: Any = None
         self._actors: list[Any] = []

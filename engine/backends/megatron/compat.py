@@ -122,7 +122,9 @@ def init_parallel(
         os.environ["MASTER_ADDR"] = master_addr
         os.environ["MASTER_PORT"] = str(master_port)
         if not on_cpu():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+            torch.cuda.set_device(
+                int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+            )
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         if (

@@ -78,7 +78,9 @@ class TensorReader:
             with safe_open(str(root / "model.safetensors"), framework="pt") as f:
                 weight_map = dict.fromkeys(f.keys(), "model.safetensors")  # noqa: SIM118
         else:
-            raise ConfigError(f"{root}: no model.safetensors (the Megatron backend reads safetensors)")
+            raise ConfigError(
+                f"{root}: no model.safetensors (the Megatron backend reads safetensors)"
+            )
         handles: dict[str, object] = {}
 
         def read(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -113,7 +115,13 @@ def _qkv(reader: TensorReader, prefix: str, suffix: str, arch: Arch, tp_rank: in
 
 
 def hf_to_mcore(
-    reader: TensorReader, arch: Arch, *, tp_rank: int = 0, tp: int = 1, pp_rank: int = 0, pp: int = 1
+    reader: TensorReader,
+    arch: Arch,
+    *,
+    tp_rank: int = 0,
+    tp: int = 1,
+    pp_rank: int = 0,
+    pp: int = 1,
 ) -> dict[str, torch.Tensor]:
     """This rank's GPTModel state dict (plain tensors) from HF tensors."""
     out: dict[str, torch.Tensor] = {}

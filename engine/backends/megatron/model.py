@@ -18,10 +18,16 @@ from engine.backends.megatron.arch import Arch
 from engine.backends.megatron.mapping import TensorReader, hf_to_mcore, load_into
 
 
-def transformer_config(arch: Arch, tp: int, pp: int, *, dtype: torch.dtype = torch.float32):
+def transformer_config(
+    arch: Arch, tp: int, pp: int, *, dtype: torch.dtype = torch.float32, recompute: str = "none"
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # "selective" recomputes core attention only, which holds no LoRA hook; "full" would re-run
+    # the hooked linears outside their routing context (engine/config.py refuses it).
+    extra = {"recompute_granularity": "selective"} if recompute == "selective" else {}
     return TransformerConfig(
+        **extra,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads,
@@ -53,7 +59,9 @@ def transformer_config(arch: Arch, tp: int, pp: int, *, dtype: torch.dtype = tor
     )
 
 
-def build_gpt(arch: Arch, tp: int, pp: int, *, dtype: torch.dtype = torch.float32):
+def build_gpt(
+    arch: Arch, tp: int, pp: int, *, dtype: torch.dtype = torch.float32, recompute: str = "none"
+):
     """This rank's stage of the GPTModel (random weights). Tied embeddings are built untied when
     PP > 1 (megatron ties across stages with a ``.cuda()`` call); the loader then copies the
     embedding into the output layer, which is exact for a frozen base."""
@@ -61,7 +69,7 @@ def build_gpt(arch: Arch, tp: int, pp: int, *, dtype: torch.dtype = torch.float3
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    cfg = transformer_config(arch, tp, pp, dtype=dtype)
+    cfg = transformer_config(arch, tp, pp, dtype=dtype, recompute=recompute)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
     extra = {}
     if arch.rope_scaling_factor is not None:
@@ -75,13 +83,21 @@ def build_gpt(arch: Arch, tp: int, pp: int, *, dtype: torch.dtype = torch.float3
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tied and pp == 1,
         position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rotary_base=_rotary_base(arch.rope_theta),
         **extra,
     )
 
 
+def _rotary_base(theta: float) -> int | float:
+    return int(theta) if float(theta).is_integer() else theta
+
+
 def load_base(
-    source: str | Path | TensorReader, arch: Arch, *, dtype: torch.dtype = torch.float32
+    source: str | Path | TensorReader,
+    arch: Arch,
+    *,
+    dtype: torch.dtype = torch.float32,
+    recompute: str = "none",
 ):
     """This rank's frozen, eval-mode GPTModel with the HF weights of ``source`` (a model folder
     or a `TensorReader`); the process groups must be initialised (compat.init_parallel)."""
@@ -89,7 +105,7 @@ def load_base(
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     reader = source if isinstance(source, TensorReader) else TensorReader.from_dir(source)
-    model = build_gpt(arch, tp, pp, dtype=dtype)
+    model = build_gpt(arch, tp, pp, dtype=dtype, recompute=recompute)
     state = hf_to_mcore(
         reader,
         arch,

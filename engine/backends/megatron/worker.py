@@ -103,6 +103,7 @@ class MegatronWorker:
         base_model_name: str = "",
         micro_batch_tokens: int = 16384,
         params_dtype: str = "float32",
+        recompute: str = "none",
     ) -> None:
         compat.require_megatron()
         self.arch = read_arch(model_dir, tp=tp, pp=pp)
@@ -116,7 +117,9 @@ class MegatronWorker:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.last_stage = self.pp_rank == pp - 1
-        self.model = load_base(model_dir, self.arch, dtype=getattr(torch, params_dtype))
+        self.model = load_base(
+            model_dir, self.arch, dtype=getattr(torch, params_dtype), recompute=recompute
+        )
         self.device = next(self.model.parameters()).device
         self.lora = MegatronMultiLora(self.model, self.arch, pp_rank=self.pp_rank, pp=pp)
         self.vocab_size = self.arch.vocab_size
