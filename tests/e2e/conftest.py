@@ -40,9 +40,9 @@ class Server:
         return out.stdout.strip().splitlines()[-1]
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    data_dir = tmp_path_factory.mktemp("twinkle-data")
+def start_server(data_dir: Path, config: Path | None = None) -> tuple[Server, object]:
+    """A `twinkle serve` subprocess on a free port with ``data_dir``, ready (healthz 200);
+    returns it and its open log file. Stop it with `stop_server`."""
     port = _free_port()
     env = dict(
         os.environ,
@@ -52,13 +52,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         TRANSFORMERS_OFFLINE="1",
     )
     log = open(data_dir / "serve.log", "w")  # noqa: SIM115 (the server writes it until teardown)
+    cmd = [TWINKLE, "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if config is not None:
+        cmd += ["--config", str(config)]
     proc = subprocess.Popen(
-        [TWINKLE, "serve", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-        start_new_session=True,
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -73,20 +71,29 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             raise RuntimeError(
                 f"twinkle serve not ready:\n{(data_dir / 'serve.log').read_text()[-4000:]}"
             )
         time.sleep(1)
-    srv = Server(url, data_dir, env, proc)
-    yield srv
-    proc.send_signal(signal.SIGTERM)
+    return Server(url, data_dir, env, proc), log
+
+
+def stop_server(srv: Server, log) -> None:
+    srv.proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        srv.proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
     log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    srv, log = start_server(tmp_path_factory.mktemp("twinkle-data"))
+    yield srv
+    stop_server(srv, log)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 
 import torch
 
@@ -57,6 +58,11 @@ def require_megatron() -> str:
         raise ConfigError(
             f"backend 'megatron' supports megatron-core >=0.16.1,<0.20; found {v}: {INSTALL_HINT}"
         )
+    # megatron warns once per module, per process, that the optional CUDA kernels are absent:
+    # expected here (we use none of them), and 12 lines per rank actor in the server log
+    warnings.filterwarnings(
+        "ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed"
+    )
     return v
 
 
