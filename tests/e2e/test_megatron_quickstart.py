@@ -1,0 +1,102 @@
+"""The product's two-command quick start on the Megatron backend, as written:
+``python cookbook/client/server/megatron/server.py`` (its shipped config, only the port moved to
+a free one), then a cookbook client script with the two variables the server printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from gateway.config import ServerConfig
+from tests.e2e.conftest import _free_port
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("megatron.core")
+REPO = Path(__file__).resolve().parents[2]
+HERE = REPO / "cookbook" / "client" / "server" / "megatron"
+
+
+def test_shipped_configs_are_valid_megatron_configs() -> None:
+    tiny = ServerConfig.from_yaml(HERE / "server_config.yaml")
+    assert (tiny.port, tiny.models[0].backend) == (8000, "megatron")
+    assert tiny.models[0].megatron_config().tensor_parallel == 2
+    big = ServerConfig.from_yaml(HERE / "server_config_4b.yaml")
+    mc = big.models[0].megatron_config()
+    assert big.models[0].backend == "megatron" and big.models[0].sampler_type == "vllm"
+    assert (mc.params_dtype, mc.worker_num_gpus) == ("bfloat16", 1)
+
+
+def test_server_py_then_the_cookbook_client(tmp_path: Path) -> None:
+    config = yaml.safe_load((HERE / "server_config.yaml").read_text())
+    config["port"] = _free_port()
+    cfg_path = tmp_path / "server_config.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    env = dict(
+        os.environ,
+        TWINKLE_DATA_DIR=str(tmp_path / "data"),
+        TWINKLE_SERVER_CONFIG=str(cfg_path),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "server.py")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while "Twinkle ready" not in log_path.read_text():
+                assert proc.poll() is None, log_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+                time.sleep(1)
+            text = log_path.read_text()
+            m = re.search(r"export TWINKLE_SERVER_URL=(\S+) TWINKLE_SERVER_TOKEN=(\S+)", text)
+            assert m, text[-2000:]
+            url, token = m.groups()
+            assert httpx.get(f"{url}/api/v1/healthz", timeout=5).status_code == 200
+            client_env = {
+                "PATH": os.environ["PATH"],
+                "HOME": str(tmp_path),
+                "TWINKLE_SERVER_URL": url,
+                "TWINKLE_SERVER_TOKEN": token,
+                "HF_HUB_OFFLINE": "1",
+            }
+            script = REPO / "cookbook/client/twinkle/self_host/self_cognition.py"
+            out = subprocess.run(
+                [sys.executable, str(script), "--max-steps", "4"],
+                env=client_env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=REPO,
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            assert len(res["losses"]) == 4 and all(map(float, res["losses"]))
+            assert res["checkpoint"].startswith("twinkle://")
+            # a second start reuses the key it made
+            key_file = tmp_path / "data" / "quickstart.key"
+            assert key_file.read_text().strip() == token
+            assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
