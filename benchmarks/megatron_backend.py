@@ -1,10 +1,11 @@
-"""Megatron backend vs Transformers backend, fused vs sequential, in one run.
+"""Megatron backend vs Transformers backend, fused vs sequential, in one run. (Not named
+megatron.py: run as a script, benchmarks/ is on sys.path and would shadow the megatron package.)
 
 Usage (from the repository root):
 
-    .venv/bin/python benchmarks/megatron.py                 # tiny + medium (25 M), 4 tenants
-    .venv/bin/python benchmarks/megatron.py --quick         # tiny only, 2 timed steps
-    .venv/bin/python benchmarks/megatron.py --models medium --tenants 1 4 --steps 5
+    .venv/bin/python benchmarks/megatron_backend.py           # tiny + medium (25 M), 4 tenants
+    .venv/bin/python benchmarks/megatron_backend.py --quick   # tiny only, 2 timed steps
+    .venv/bin/python benchmarks/megatron_backend.py --models medium --tenants 1 4 --steps 5
 
 Same workload as benchmarks/multi_tenant.py (whose models, data and step functions this reuses):
 every tenant owns a rank-8 LoRA on all targets and per step trains on B sequences x T tokens
@@ -12,9 +13,11 @@ every tenant owns a rank-8 LoRA on all targets and per step trains on B sequence
 (`TransformersTrainingBackend`) and ``megatron`` (`MegatronTrainingBackend` at one rank: the
 frozen megatron-core GPTModel with our multi-LoRA hooks, through megatron's forward-backward
 schedule). Modes: ``fused`` (one forward_backward_many over all tenants) and ``sequential``.
-Reported: aggregate tokens/s, and ratios to the Transformers backend in the same mode and to the
-same backend's sequential mode. Float32 on CPU; on CUDA, pass ``--bf16`` for bf16 base weights
-on the Megatron backend (the Transformers backend keeps its own dtype).
+Reported: aggregate tokens/s, ratios to the Transformers backend in the same mode and to the same
+backend's sequential mode, load time, and ``other CPU`` (cores other processes used during the
+timed steps: on a small shared machine a concurrent job spoils the numbers). Float32 on CPU; on
+CUDA, pass ``--bf16`` for bf16 base weights on the Megatron backend (the Transformers backend
+keeps its own dtype).
 """
 
 from __future__ import annotations
@@ -100,15 +103,19 @@ def bench(models: list[str], tenants_list: list[int], steps: int, bf16: bool) ->
     return rows
 
 
+def _load(cores: float | None) -> str:
+    return "n/a" if cores is None else f"{cores:.2f}"
+
+
 def table(rows: list[dict]) -> str:
     def find(r: dict, **kw) -> dict:
         return next(x for x in rows if all(x[k] == v for k, v in {**r, **kw}.items()))
 
     head = (
         "| model | tenants | backend | mode | tokens/s | step s | vs transformers (same mode) "
-        "| vs own sequential | load s |"
+        "| vs own sequential | load s | other CPU |"
     )
-    out = [head, "|" + "---|" * 9]
+    out = [head, "|" + "---|" * 10]
     for r in rows:
         key = {"model": r["model"], "tenants": r["tenants"]}
         tf = find(key, backend="transformers", mode=r["mode"])
@@ -116,7 +123,7 @@ def table(rows: list[dict]) -> str:
         out.append(
             f"| {r['model']} | {r['tenants']} | {r['backend']} | {r['mode']} | "
             f"{r['tok_s']:.0f} | {r['step_s']:.3f} | {r['tok_s'] / tf['tok_s']:.2f}x | "
-            f"{r['tok_s'] / seq['tok_s']:.2f}x | {r['load_s']:.1f} |"
+            f"{r['tok_s'] / seq['tok_s']:.2f}x | {r['load_s']:.1f} | {_load(r['other_load'])} |"
         )
     return "\n".join(out)
 
