@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,7 +305,7 @@ def save_adapter(
 
 def write_adapter_files(
     directory: str | Path,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     spec: LoraSpec,
     targets: list[str],
     base_model_name: str = "",

@@ -164,10 +164,11 @@ class MegatronTrainingBackend(TrainingBackend):
         if self._local is not None:
             return getattr(self._local, name)(*args, **kwargs)
         import ray
+        from ray.exceptions import RayError
 
         try:
             results = ray.get([a.call.remote(name, args, kwargs) for a in self._actors])
-        except ray.exceptions.RayError as e:
+        except RayError as e:
             raise BackendError(f"megatron {name}: a rank died: {type(e).__name__}: {e}") from None
         kind, value = results[0]
         if kind == "err":

@@ -121,7 +121,9 @@ def init_parallel(
                 f"this process already belongs to a group of {dist.get_world_size()} ranks"
             )
     elif world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        from torch.distributed import HashStore  # pyright: ignore[reportPrivateImportUsage]
+
+        dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1)
     else:
         if master_port is None:
             raise ValueError("init_parallel: master_port is required for world_size > 1")

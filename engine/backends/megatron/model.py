@@ -25,9 +25,8 @@ def transformer_config(
 
     # "selective" recomputes core attention only, which holds no LoRA hook; "full" would re-run
     # the hooked linears outside their routing context (engine/config.py refuses it).
-    extra = {"recompute_granularity": "selective"} if recompute == "selective" else {}
     return TransformerConfig(
-        **extra,
+        recompute_granularity="selective" if recompute == "selective" else None,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads,
@@ -83,7 +82,7 @@ def build_gpt(
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tied and pp == 1,
         position_embedding_type="rope",
-        rotary_base=_rotary_base(arch.rope_theta),
+        rotary_base=_rotary_base(arch.rope_theta),  # pyright: ignore[reportArgumentType]
         **extra,
     )
 

@@ -32,6 +32,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,7 @@ class MegatronMultiLora:
         per_stage = arch.num_layers // pp
         self.offset = pp_rank * per_stage
         self.sites: list[_Site] = []
-        decoder = model.decoder  # type: ignore[attr-defined]
+        decoder: Any = model.decoder
         for local, layer in enumerate(decoder.layers):
             p = f"model.layers.{self.offset + local}."
             att, mlp = layer.self_attention, layer.mlp

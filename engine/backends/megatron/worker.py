@@ -451,6 +451,7 @@ class MegatronWorker:
             torch.distributed.broadcast_object_list(result, src=0)
         kind, value = result[0]
         if kind == "err":
+            assert isinstance(value, BaseException)
             raise value
         return value
 
