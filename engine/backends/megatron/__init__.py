@@ -4,7 +4,8 @@ frozen megatron-core GPTModel, with tensor and pipeline parallelism inside one T
 Modules: `arch` (torch-free: which HF configs are supported, read from config.json), `compat`
 (CPU shims, process groups, version gate), `mapping` (HF ↔ Megatron weights, per rank),
 `model` (building and loading the frozen base), `multi_lora` (adapters as forward hooks, routed
-by batch segments), `worker` (one rank: passes, optimizer, checkpoints; SPMD), `backend`
-(`MegatronTrainingBackend`: the driver the Trainer talks to; in-process or Ray actors).
+by batch segments), `worker` (one rank: passes, optimizer; SPMD), `checkpoints` (its PEFT
+save/load, gathered from the shards), `backend` (`MegatronTrainingBackend`: the driver the
+Trainer talks to; in-process or Ray actors).
 Nothing here is imported unless a model names the backend (engine/backends/registry.py).
 """
