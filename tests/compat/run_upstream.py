@@ -185,6 +185,28 @@ def script_env(server_url: str, api_key: str, model_dir: Path, work: Path) -> di
 # ------------------------------------------------------------------ running
 
 
+FLOWS = Path(__file__).resolve().parent / "flows.py"
+
+
+def run_flow(python: str, server_url: str, key: str, flow: str, *args: str) -> dict:
+    """tests/compat/flows.py ``flow`` with ``python`` (upstream's client venv or ours) against
+    a running server; its RESULT line as a dict (an AssertionError with the output if not)."""
+    work = Path(tempfile.mkdtemp(prefix=f"flow-{flow}-"))
+    try:
+        env = script_env(server_url, key, tiny_model_dir(), work)
+        env["COMPAT_DATA"], env["TMPDIR"] = str(DATA), str(work)
+        proc = subprocess.run(
+            [python, str(FLOWS), flow, *args],
+            env=env, cwd=work, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0 and lines, f"{flow}:\n{tail}"
+    return json.loads(lines[-1][7:])
+
+
 def run_script(
     script_id: str,
     server_url: str,

@@ -7,7 +7,8 @@ Transformers backend, driven by the unmodified Tinker SDK and by the native clie
   the same tokens;
 * two tenants training at once on the Megatron model equal their solo runs;
 * bad input fails the one request, the replica keeps training;
-* the native client's SFT script (save, resume) gives the same losses on both backends.
+* the native client's SFT script (save, resume) gives the same losses on both backends, and
+  upstream's own client (twinkle-kit) runs its SFT flow on the Megatron model as on Transformers.
 """
 
 from __future__ import annotations
@@ -209,3 +210,21 @@ def test_native_client_sft_script_matches_the_transformers_backend(mg_server, ke
     np.testing.assert_allclose(mg["norms"], tf["norms"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mg["resumed"], mg["losses"][4:], rtol=0, atol=1e-5)
     assert mg["losses"][-1] < mg["losses"][0]
+
+
+def test_upstream_client_sft_flow_matches_the_transformers_backend(mg_server, server):
+    """Upstream Twinkle's own client (twinkle-kit 0.5.1, tests/compat) runs the SFT flow of its
+    cookbook on the Megatron model exactly as on the Transformers-backed default server."""
+    from tests.compat.run_upstream import run_flow
+    from tests.compat.venv import CompatVenvUnavailable, compat_python
+
+    try:
+        upstream = str(compat_python())
+    except CompatVenvUnavailable as exc:
+        pytest.skip(str(exc))
+    mg = run_flow(upstream, mg_server.url, mg_server.create_key("mg-upstream"), "sft")
+    tf = run_flow(upstream, server.url, server.create_key("tf-upstream"), "sft")
+    assert mg["models"] == [MG, TF]
+    np.testing.assert_allclose(mg["losses"], tf["losses"], rtol=1e-5)
+    assert mg["losses"][-1] < mg["losses"][0]
+    assert mg["path"].startswith("twinkle://")

@@ -15,21 +15,13 @@ Checks, each through both clients:
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from tests.compat.run_upstream import script_env, tiny_model_dir
+from tests.compat.run_upstream import run_flow as run_upstream_flow
 from tests.compat.venv import CompatVenvUnavailable, compat_python
 
 pytestmark = pytest.mark.e2e
-FLOWS = Path(__file__).resolve().parents[1] / "compat" / "flows.py"
-DATA = FLOWS.parent / "data"
 
 
 @pytest.fixture(scope="module")
@@ -45,30 +37,15 @@ def pythons() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def run_flow(server, pythons):
-    model_dir = tiny_model_dir()
     cache: dict[tuple[str, str], dict] = {}
 
     def run(flow: str, client: str, *extra: str) -> dict:
-        if (flow, client) in cache:
-            return cache[(flow, client)]
-        key = server.create_key(f"flow-{flow}-{client}")
-        args = list(extra)
-        if flow == "tenant":
-            args += ["--other-key", server.create_key(f"flow-{flow}-{client}-other")]
-        work = Path(tempfile.mkdtemp(prefix=f"flow-{flow}-"))
-        try:
-            env = script_env(server.url, key, model_dir, work)
-            env["COMPAT_DATA"], env["TMPDIR"] = str(DATA), str(work)
-            proc = subprocess.run(
-                [pythons[client], str(FLOWS), flow, *args],
-                env=env, cwd=work, capture_output=True, text=True, timeout=600,
-            )  # fmt: skip
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
-        assert proc.returncode == 0 and lines, f"{flow}/{client}:\n{tail}"
-        cache[(flow, client)] = json.loads(lines[-1][7:])
+        if (flow, client) not in cache:
+            key = server.create_key(f"flow-{flow}-{client}")
+            args = list(extra)
+            if flow == "tenant":
+                args += ["--other-key", server.create_key(f"flow-{flow}-{client}-other")]
+            cache[(flow, client)] = run_upstream_flow(pythons[client], server.url, key, flow, *args)
         return cache[(flow, client)]
 
     return run
