@@ -3,6 +3,7 @@
     python cookbook/client/server/megatron/server.py            # server_config.yaml beside this
     TWINKLE_SERVER_CONFIG=server_config_4b.yaml python .../server.py   # the 4B GPU config
 
+Any ``python`` works: outside the repo's ``.venv`` it installs that (once) and re-runs itself there.
 Reads `server_config.yaml` next to this file (the built-in tiny model with `use_megatron: true`
 on port 8000, CPU-only, so it runs anywhere), creates an API key for the local user
 ``quickstart`` on first start (kept in ``$TWINKLE_DATA_DIR/quickstart.key``) and prints the two
@@ -16,10 +17,33 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[3]
+
+
+def _ensure_venv() -> None:
+    """Run under the repo's .venv: a plain ``python server.py`` from a fresh checkout installs it
+    (scripts/install.sh: CPU torch, the megatron extra, pinned by constraints.txt) and re-runs
+    this script with it."""
+    try:
+        import megatron.core  # noqa: F401
+
+        import gateway.cli.serve  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    if Path(sys.executable).resolve() == venv_python.resolve():
+        raise SystemExit("the .venv lacks twinkle or megatron-core: run bash scripts/install.sh")
+    if not venv_python.exists() or not (ROOT / ".venv" / ".twinkle-installed").exists():
+        print("[quickstart] installing .venv (scripts/install.sh; a few minutes, once)", flush=True)
+        subprocess.run(["bash", str(ROOT / "scripts" / "install.sh")], check=True)
+    os.execv(str(venv_python), [str(venv_python), str(Path(__file__).resolve()), *sys.argv[1:]])
 
 
 def _quickstart_key(data_dir: Path) -> str:
@@ -42,6 +66,7 @@ def _quickstart_key(data_dir: Path) -> str:
 
 
 def main() -> int:
+    _ensure_venv()
     from gateway.cli.serve import serve_main
     from gateway.config import ServerConfig
     from gateway.settings import Settings
