@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from engine.config import ModelConfig
 from engine.protocol import AdamParams, ForwardBackwardInput, LoraSpec
@@ -17,8 +18,15 @@ def _data(seed: int) -> ForwardBackwardInput:
     return random_batch(seed, 2, 8, weights=(0.5, 1.5))
 
 
-def _trajectories(model_dir, data_dir, capacity: int, n_adapters: int = 4, steps: int = 4):
-    cfg = ModelConfig(name="twinkle/tiny-chat", path=str(model_dir), max_loaded_adapters=capacity)
+def _trajectories(
+    model_dir, data_dir, capacity: int, n_adapters: int = 4, steps: int = 4, backend="transformers"
+):
+    cfg = ModelConfig(
+        name="twinkle/tiny-chat",
+        path=str(model_dir),
+        max_loaded_adapters=capacity,
+        backend=backend,
+    )
 
     async def main():
         tr = Trainer(cfg, str(data_dir))
@@ -38,9 +46,16 @@ def _trajectories(model_dir, data_dir, capacity: int, n_adapters: int = 4, steps
     return asyncio.run(main())
 
 
-def test_offload_reload_keeps_trajectories(tiny_model_dir, tmp_path):
-    ref, ref_steps, ref_stats = _trajectories(tiny_model_dir, tmp_path / "a", capacity=16)
-    got, got_steps, stats = _trajectories(tiny_model_dir, tmp_path / "b", capacity=2)
+@pytest.mark.parametrize("backend", ["transformers", "megatron"])
+def test_offload_reload_keeps_trajectories(tiny_model_dir, tmp_path, backend):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
+    ref, ref_steps, ref_stats = _trajectories(
+        tiny_model_dir, tmp_path / "a", capacity=16, backend=backend
+    )
+    got, got_steps, stats = _trajectories(
+        tiny_model_dir, tmp_path / "b", capacity=2, backend=backend
+    )
     assert ref_stats["pool"]["evictions"] == 0
     assert stats["pool"]["evictions"] >= 8 and stats["pool"]["reloads"] >= 8
     assert stats["pool"]["resident"] <= 2
@@ -49,6 +64,20 @@ def test_offload_reload_keeps_trajectories(tiny_model_dir, tmp_path):
         assert got_steps[a] == ref_steps[a] == [1.0, 2.0, 3.0, 4.0]
     # the adapters really trained differently (the comparison is not vacuous)
     assert len({round(v[-1], 4) for v in ref.values()}) == len(ref)
+
+
+def test_megatron_trainer_follows_the_transformers_trajectories(tiny_model_dir, tmp_path):
+    """The Trainer (scheduler, adapter pool with offload, checkpoints) runs the Megatron backend
+    unchanged through the backend contract: same losses and steps as with Transformers."""
+    pytest.importorskip("megatron.core")
+    tf, tf_steps, _ = _trajectories(tiny_model_dir, tmp_path / "tf", capacity=2)
+    mg, mg_steps, stats = _trajectories(
+        tiny_model_dir, tmp_path / "mg", capacity=2, backend="megatron"
+    )
+    assert stats["pool"]["reloads"] >= 8
+    for a in tf:
+        np.testing.assert_allclose(mg[a], tf[a], rtol=1e-5, atol=1e-5)
+        assert mg_steps[a] == tf_steps[a]
 
 
 def test_adapter_with_pending_gradient_is_not_evicted(tiny_model_dir, tmp_path):
