@@ -1,7 +1,7 @@
-"""The product's two-command quick start on the Megatron backend, as written:
-``python cookbook/client/server/megatron/server.py`` with a plain system python (its shipped
-config, only the port moved to a free one), then a cookbook client script with the two variables
-the server printed."""
+"""The product's two-command quick start, as written, on both backends:
+``python cookbook/client/server/{megatron,transformer}/server.py`` with a plain system python
+(its shipped config, only the port moved to a free one), then a cookbook client script with the
+two variables the server printed."""
 
 from __future__ import annotations
 
@@ -23,15 +23,16 @@ from gateway.config import ServerConfig
 from tests.e2e.conftest import _free_port
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("megatron.core")
 REPO = Path(__file__).resolve().parents[2]
-HERE = REPO / "cookbook" / "client" / "server" / "megatron"
+MG_NAME = "twinkle/tiny-chat"
+SERVERS = REPO / "cookbook" / "client" / "server"
+HERE = SERVERS / "megatron"
 # "python server.py" as a user types it: the system python, which has no twinkle installed, so
 # server.py re-runs itself in the repo's .venv
 PLAIN_PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or sys.executable
 
 
-def test_shipped_configs_are_valid_megatron_configs() -> None:
+def test_shipped_configs_are_valid() -> None:
     tiny = ServerConfig.from_yaml(HERE / "server_config.yaml")
     assert (tiny.port, tiny.models[0].backend) == (8000, "megatron")
     assert tiny.models[0].megatron_config().tensor_parallel == 2
@@ -39,10 +40,16 @@ def test_shipped_configs_are_valid_megatron_configs() -> None:
     mc = big.models[0].megatron_config()
     assert big.models[0].backend == "megatron" and big.models[0].sampler_type == "vllm"
     assert (mc.params_dtype, mc.worker_num_gpus) == ("bfloat16", 1)
+    tf = ServerConfig.from_yaml(SERVERS / "transformer" / "server_config.yaml")
+    assert (tf.port, tf.models[0].backend, tf.models[0].name) == (8000, "transformers", MG_NAME)
 
 
-def test_server_py_then_the_cookbook_client(tmp_path: Path) -> None:
-    config = yaml.safe_load((HERE / "server_config.yaml").read_text())
+@pytest.mark.parametrize("backend", ["megatron", "transformer"])
+def test_server_py_then_the_cookbook_client(tmp_path: Path, backend: str) -> None:
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
+    here = SERVERS / backend
+    config = yaml.safe_load((here / "server_config.yaml").read_text())
     config["port"] = _free_port()
     cfg_path = tmp_path / "server_config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
@@ -56,7 +63,7 @@ def test_server_py_then_the_cookbook_client(tmp_path: Path) -> None:
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [PLAIN_PYTHON, str(HERE / "server.py")],
+            [PLAIN_PYTHON, str(here / "server.py")],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

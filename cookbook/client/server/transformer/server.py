@@ -1,0 +1,34 @@
+"""Start Twinkle with the Transformers backend (one process, CPU or one GPU).
+
+    python cookbook/client/server/transformer/server.py   # server_config.yaml beside this
+
+Any ``python`` works: outside the repo's ``.venv`` it installs that (once) and re-runs itself there
+(../_bootstrap.py). It serves `server_config.yaml` next to this file (the built-in tiny model on
+the Transformers backend, port 8000, CPU only), creates an API key for
+the local user ``quickstart`` on first start (``$TWINKLE_DATA_DIR/quickstart.key``), prints the
+two variables a client needs, and serves until Ctrl-C (gateway/cli/quickstart.py). Upstream's
+launcher is ``twinkle.server.launch_server(config_path=...)``; ours is `twinkle serve --config`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from _bootstrap import ensure_venv  # noqa: E402  (the folder above, put on sys.path)
+
+
+def main() -> int:
+    ensure_venv(__file__, ("gateway.cli.quickstart",))
+    from gateway.cli.quickstart import quickstart_main
+
+    config = Path(os.environ.get("TWINKLE_SERVER_CONFIG", "server_config.yaml"))
+    return quickstart_main(config if config.is_absolute() or config.exists() else HERE / config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
