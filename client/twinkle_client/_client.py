@@ -1,12 +1,12 @@
 """`init_twinkle_client()`, the HTTP layer and the management calls of the native client.
 
-Owns: base URL / key resolution (arguments, then ``TWINKLE_SERVER_URL`` / ``TWINKLE_SERVER_TOKEN``;
-``/api/v1`` is appended unless present), the headers upstream Twinkle's client sends on every
-request (both auth headers, the session id once a session exists, and one routing id per process
-in ``x-request-id`` / ``X-Ray-Serve-Request-Id`` / ``serve_multiplexed_model_id`` /
-``Serve-Multiplexed-Model-Id``), retries of 429/503, the error hierarchy, the server session with
-its heartbeat thread, and the process-wide current client that models and samplers use when none
-is passed.
+Owns: base URL / key resolution (arguments, then ``TWINKLE_SERVER_URL`` / ``TWINKLE_SERVER_TOKEN``,
+then a local quick-start server's file: local_server.py; ``/api/v1`` is appended unless present),
+the headers upstream Twinkle's client sends on every request (both auth headers, the session id once
+a session exists, and one routing id per process in ``x-request-id`` / ``X-Ray-Serve-Request-Id`` /
+``serve_multiplexed_model_id`` / ``Serve-Multiplexed-Model-Id``), retries of 429/503, the error
+hierarchy, the server session with its heartbeat thread, and the process-wide current client that
+models and samplers use when none is passed.
 
 Errors (all picklable)::
 
@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from twinkle_client import local_server
 from twinkle_client import types as t
 from twinkle_client._version import __version__
 
@@ -125,10 +126,15 @@ class TwinkleClient:
         timeout: float = 600.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        url = base_url or os.environ.get("TWINKLE_SERVER_URL")
-        key = api_key or os.environ.get("TWINKLE_SERVER_TOKEN")
+        url, key = local_server.resolve(
+            base_url or os.environ.get("TWINKLE_SERVER_URL"),
+            api_key or os.environ.get("TWINKLE_SERVER_TOKEN"),
+        )
         if not url:
-            raise TwinkleError("base_url: not given and TWINKLE_SERVER_URL is not set")
+            raise TwinkleError(
+                "base_url: not given, TWINKLE_SERVER_URL is not set and no local quick-start "
+                f"server was found ({local_server.quickstart_file()})"
+            )
         if not key:
             raise TwinkleError("api_key: not given and TWINKLE_SERVER_TOKEN is not set")
         self.base_url = api_base(url)

@@ -5,7 +5,8 @@ does not depend on it). After ``init_tinker_client()``:
 
 1. ``ServiceClient()`` with no arguments talks to ``$TWINKLE_SERVER_URL`` with the key
    ``$TWINKLE_SERVER_TOKEN`` (exported as ``TINKER_BASE_URL`` / ``TINKER_API_KEY``, which the SDK
-   reads; explicit arguments still win);
+   reads; explicit arguments still win), or, with none of them set, to a local quick-start
+   server (local_server.py);
 2. ``twinkle://run/weights/name`` paths are accepted wherever the SDK parses checkpoint paths
    (they mean the same as ``tinker://``);
 3. ``get_tokenizer()`` on training and sampling clients downloads the base model's tokenizer files
@@ -24,6 +25,8 @@ import re
 from pathlib import Path
 
 import httpx
+
+from twinkle_client import local_server
 
 _patched = False
 
@@ -109,8 +112,10 @@ def _patch_tokenizer() -> None:
 def init_tinker_client(base_url: str | None = None, api_key: str | None = None) -> None:
     """Point the Tinker SDK at a Twinkle server (see module doc). Idempotent."""
     global _patched
-    url = base_url or os.environ.get("TWINKLE_SERVER_URL")
-    key = api_key or os.environ.get("TWINKLE_SERVER_TOKEN")
+    url, key = local_server.resolve(
+        base_url or os.environ.get("TWINKLE_SERVER_URL") or os.environ.get("TINKER_BASE_URL"),
+        api_key or os.environ.get("TWINKLE_SERVER_TOKEN") or os.environ.get("TINKER_API_KEY"),
+    )
     if url:
         os.environ["TINKER_BASE_URL"] = url.rstrip("/")
     if key:

@@ -1,7 +1,7 @@
-"""The product's two-command quick start, as written, on both backends:
-``python cookbook/client/server/{megatron,transformer}/server.py`` with a plain system python
-(its shipped config, only the port moved to a free one), then a cookbook client script with the
-two variables the server printed."""
+"""The product's two-command quick start, as written, on both backends, in two "terminals" with
+nothing set: ``python cookbook/client/server/{megatron,transformer}/server.py`` with the system
+python (its shipped config, only the port moved to a free one), then a cookbook client script from
+the same directory, which finds the local server by itself."""
 
 from __future__ import annotations
 
@@ -44,8 +44,16 @@ def test_shipped_configs_are_valid() -> None:
     assert (tf.port, tf.models[0].backend, tf.models[0].name) == (8000, "transformers", MG_NAME)
 
 
+def _plain_env(**extra: str) -> dict[str, str]:
+    """A user's shell: nothing Twinkle-specific set."""
+    return {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **extra}
+
+
 @pytest.mark.parametrize("backend", ["megatron", "transformer"])
-def test_server_py_then_the_cookbook_client(tmp_path: Path, backend: str) -> None:
+def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
+    """Terminal 1: ``python .../server/<backend>/server.py``; terminal 2, same directory:
+    ``python .../twinkle/self_host/self_cognition.py``. Both with the system python and no
+    TWINKLE_* variable (the server's config is only moved to a free port)."""
     if backend == "megatron":
         pytest.importorskip("megatron.core")
     here = SERVERS / backend
@@ -53,21 +61,16 @@ def test_server_py_then_the_cookbook_client(tmp_path: Path, backend: str) -> Non
     config["port"] = _free_port()
     cfg_path = tmp_path / "server_config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
-    env = dict(
-        os.environ,
-        TWINKLE_DATA_DIR=str(tmp_path / "data"),
-        TWINKLE_SERVER_CONFIG=str(cfg_path),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
+    work = tmp_path / "work"  # the user's directory: the server's data goes to ./.twinkle
+    work.mkdir()
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [PLAIN_PYTHON, str(here / "server.py")],
-            env=env,
+            env=_plain_env(TWINKLE_SERVER_CONFIG=str(cfg_path)),
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=REPO,
+            cwd=work,
             start_new_session=True,
         )
         try:
@@ -81,30 +84,23 @@ def test_server_py_then_the_cookbook_client(tmp_path: Path, backend: str) -> Non
             assert m, text[-2000:]
             url, token = m.groups()
             assert httpx.get(f"{url}/api/v1/healthz", timeout=5).status_code == 200
-            client_env = {
-                "PATH": os.environ["PATH"],
-                "HOME": str(tmp_path),
-                "TWINKLE_SERVER_URL": url,
-                "TWINKLE_SERVER_TOKEN": token,
-                "HF_HUB_OFFLINE": "1",
-            }
+            found = work / ".twinkle" / "quickstart.json"
+            assert json.loads(found.read_text()) == {"url": url, "key": token}
+            assert oct(found.stat().st_mode & 0o777) == "0o600"
+
             script = REPO / "cookbook/client/twinkle/self_host/self_cognition.py"
             out = subprocess.run(
-                [sys.executable, str(script), "--max-steps", "4"],
-                env=client_env,
+                [PLAIN_PYTHON, str(script), "--max-steps", "4"],
+                env=_plain_env(),
                 capture_output=True,
                 text=True,
                 timeout=300,
-                cwd=REPO,
+                cwd=work,
             )
             assert out.returncode == 0, out.stderr[-3000:]
             res = json.loads(out.stdout.strip().splitlines()[-1])
             assert len(res["losses"]) == 4 and all(map(float, res["losses"]))
             assert res["checkpoint"].startswith("twinkle://")
-            # a second start reuses the key it made
-            key_file = tmp_path / "data" / "quickstart.key"
-            assert key_file.read_text().strip() == token
-            assert oct(key_file.stat().st_mode & 0o777) == "0o600"
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

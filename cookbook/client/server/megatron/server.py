@@ -4,10 +4,11 @@
     TWINKLE_SERVER_CONFIG=server_config_4b.yaml python .../server.py   # the 4B GPU config
 
 Any ``python`` works: outside the repo's ``.venv`` it installs that (once) and re-runs itself there
-(../_bootstrap.py). It serves `server_config.yaml` next to this file (the built-in tiny model with
-`use_megatron: true` over two tensor-parallel ranks, port 8000, CPU only), creates an API key for
-the local user ``quickstart`` on first start (``$TWINKLE_DATA_DIR/quickstart.key``), prints the
-two variables a client needs, and serves until Ctrl-C (gateway/cli/quickstart.py). Upstream's
+(cookbook/client/_bootstrap.py). It serves `server_config.yaml` next to this file (the built-in tiny
+model with `use_megatron: true` over two tensor-parallel ranks, port 8000, CPU only), creates an API
+key for the local user ``quickstart`` on first start and writes it with the URL to
+``$TWINKLE_DATA_DIR/quickstart.json`` (mode 600), where our clients find it with nothing set; prints
+the variables for clients elsewhere, and serves until Ctrl-C (gateway/cli/quickstart.py). Upstream's
 launcher is ``twinkle.server.launch_server(config_path=...)``; ours is `twinkle serve --config`.
 """
 
@@ -18,9 +19,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
-from _bootstrap import ensure_venv  # noqa: E402  (the folder above, put on sys.path)
+from _bootstrap import ensure_venv  # noqa: E402  (cookbook/client, put on sys.path)
 
 
 def main() -> int:

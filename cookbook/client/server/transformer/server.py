@@ -3,11 +3,12 @@
     python cookbook/client/server/transformer/server.py   # server_config.yaml beside this
 
 Any ``python`` works: outside the repo's ``.venv`` it installs that (once) and re-runs itself there
-(../_bootstrap.py). It serves `server_config.yaml` next to this file (the built-in tiny model on
-the Transformers backend, port 8000, CPU only), creates an API key for
-the local user ``quickstart`` on first start (``$TWINKLE_DATA_DIR/quickstart.key``), prints the
-two variables a client needs, and serves until Ctrl-C (gateway/cli/quickstart.py). Upstream's
-launcher is ``twinkle.server.launch_server(config_path=...)``; ours is `twinkle serve --config`.
+(cookbook/client/_bootstrap.py). It serves `server_config.yaml` next to this file (the built-in tiny
+model on the Transformers backend, port 8000, CPU only), creates an API key for the local user
+``quickstart`` on first start and writes it with the URL to ``$TWINKLE_DATA_DIR/quickstart.json``
+(mode 600), where our clients find it with nothing set; prints the variables for clients elsewhere,
+and serves until Ctrl-C (gateway/cli/quickstart.py). Upstream's launcher is
+``twinkle.server.launch_server(config_path=...)``; ours is `twinkle serve --config`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
-from _bootstrap import ensure_venv  # noqa: E402  (the folder above, put on sys.path)
+from _bootstrap import ensure_venv  # noqa: E402  (cookbook/client, put on sys.path)
 
 
 def main() -> int:

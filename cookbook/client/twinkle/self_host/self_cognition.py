@@ -1,8 +1,11 @@
 """Self-cognition SFT against a Twinkle server with the native client (no torch needed).
 
-    pip install ./client
-    export TWINKLE_SERVER_URL=http://127.0.0.1:8000 TWINKLE_SERVER_TOKEN=tml-...
-    python cookbook/client/twinkle/self_host/self_cognition.py [--resume twinkle://...]
+    python cookbook/client/server/transformer/server.py       # terminal 1 (or megatron/)
+    python cookbook/client/twinkle/self_host/self_cognition.py  # terminal 2, same directory
+
+With nothing set it finds the local quick-start server (twinkle_client/local_server.py) and runs
+in the repo's .venv; elsewhere: ``pip install ./client`` and export TWINKLE_SERVER_URL /
+TWINKLE_SERVER_TOKEN. ``--resume twinkle://...`` continues a saved run.
 
 Data: the local self_cognition.jsonl next to this file, through SelfCognitionProcessor, encoded
 by the server's chat template. Training: LoRA, CrossEntropyLoss, gradient accumulation 2, cosine
@@ -15,19 +18,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
-from twinkle_client import init_twinkle_client
-from twinkle_client.dataloader import DataLoader
-from twinkle_client.dataset import Dataset, DatasetMeta
-from twinkle_client.model import MultiLoraTransformersModel
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from _bootstrap import ensure_venv  # noqa: E402  (cookbook/client, put on sys.path)
+
+ensure_venv(__file__, ("twinkle_client",), install=False)  # a plain `python` in the repo: .venv
+
+from twinkle_client import init_twinkle_client  # noqa: E402
+from twinkle_client.dataloader import DataLoader  # noqa: E402
+from twinkle_client.dataset import Dataset, DatasetMeta  # noqa: E402
+from twinkle_client.model import MultiLoraTransformersModel  # noqa: E402
 
 MODEL_ID = os.environ.get("TWINKLE_MODEL_ID", "twinkle/tiny-chat")
 DATA = Path(__file__).with_name("self_cognition.jsonl")
 
 
 def main(max_steps: int, resume: str | None) -> dict:
-    client = init_twinkle_client()  # TWINKLE_SERVER_URL / TWINKLE_SERVER_TOKEN
+    client = init_twinkle_client()  # TWINKLE_SERVER_URL / _TOKEN, or the local quick start
     models = [m.model_name for m in client.get_server_capabilities().supported_models]
     assert MODEL_ID in models, f"{MODEL_ID} is not served; served: {models}"
 
