@@ -52,7 +52,7 @@ def _plain_env(**extra: str) -> dict[str, str]:
 @pytest.mark.parametrize("backend", ["megatron", "transformer"])
 def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
     """Terminal 1: ``python .../server/<backend>/server.py``; terminal 2, same directory:
-    ``python .../twinkle/self_host/self_cognition.py``. Both with the system python and no
+    ``python .../{twinkle,tinker}/self_host/self_cognition.py``. All with the system python and no
     TWINKLE_* variable (the server's config is only moved to a free port)."""
     if backend == "megatron":
         pytest.importorskip("megatron.core")
@@ -101,6 +101,22 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
             res = json.loads(out.stdout.strip().splitlines()[-1])
             assert len(res["losses"]) == 4 and all(map(float, res["losses"]))
             assert res["checkpoint"].startswith("twinkle://")
+
+            script = REPO / "cookbook/client/tinker/self_host/self_cognition.py"
+            out = subprocess.run(
+                [PLAIN_PYTHON, str(script), "--max-steps", "6"],
+                env=_plain_env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=work,
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            losses = res["losses"]  # batches of 4 out of 8 rows: steps 0, 2, 4 see the same rows
+            assert len(losses) == 6 and losses[4] < losses[2] < losses[0]
+            assert res["state"].startswith("tinker://") and len(res["samples"]) == 2
+            assert "step 6/6" in out.stderr  # a line per step
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
