@@ -124,3 +124,29 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_tinker_sft_and_sample_script(server) -> None:
+    """cookbook/client/tinker/self_host/sft_and_sample.py (what scripts/demo.sh runs) against the
+    suite's server: it trains, the loss falls, it saves and prints samples."""
+    env = _plain_env(
+        TWINKLE_SERVER_URL=server.url,
+        TWINKLE_SERVER_TOKEN=server.create_key("cookbook-sft"),
+        TINKER_TELEMETRY="0",
+        HF_HUB_OFFLINE="1",
+    )
+    script = REPO / "cookbook/client/tinker/self_host/sft_and_sample.py"
+    tok_dir = server.data_dir / "models" / "tiny-chat"
+    args = ["--tokenizer-dir", str(tok_dir), "--steps", "20"]
+    out = subprocess.run(
+        [sys.executable, str(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"loss/token (\d+\.\d+)", out.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], out.stdout[-2000:]
+    assert "saved tinker://" in out.stdout and "sample 0:" in out.stdout
