@@ -101,6 +101,20 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
             res = json.loads(out.stdout.strip().splitlines()[-1])
             assert len(res["losses"]) == 4 and all(map(float, res["losses"]))
             assert res["checkpoint"].startswith("twinkle://")
+            saved = res["checkpoint"]
+
+            script = REPO / "cookbook/client/twinkle/self_host/sample.py"  # the newest checkpoint
+            out = subprocess.run(
+                [PLAIN_PYTHON, str(script), "--prompts", "2", "--max-tokens", "8"],
+                env=_plain_env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=work,
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            assert res["adapter"] == saved and len(res["samples"]) == 4
 
             script = REPO / "cookbook/client/tinker/self_host/self_cognition.py"
             out = subprocess.run(

@@ -1,7 +1,7 @@
 """GRPO on math prompts with the native client: sample with the current policy, reward, train.
 
     export TWINKLE_SERVER_URL=http://127.0.0.1:8000 TWINKLE_SERVER_TOKEN=tml-...
-    python cookbook/client/twinkle/self_host/grpo.py --steps 2
+    python cookbook/client/twinkle/self_host/short_math_grpo.py --steps 2
 
 Each step saves the adapter for sampling (``save(..., is_sampler=True)``), samples
 ``--generations`` completions per prompt from it, scores them (exact final number, plus a small
