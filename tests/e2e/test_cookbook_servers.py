@@ -131,6 +131,21 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
             assert len(losses) == 6 and losses[4] < losses[2] < losses[0]
             assert res["state"].startswith("tinker://") and len(res["samples"]) == 2
             assert "step 6/6" in out.stderr  # a line per step
+
+            script = REPO / "cookbook/client/tinker/self_host/dpo.py"
+            out = subprocess.run(
+                [PLAIN_PYTHON, str(script), "--max-steps", "4", "--pairs-per-step", "8"],
+                env=_plain_env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=work,
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            assert res["margins"][0] == pytest.approx(0.0, abs=1e-6)  # policy == reference
+            assert res["losses"][-1] < res["losses"][0] and res["margins"][-1] > 0
+            assert res["state"].startswith("tinker://")
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
