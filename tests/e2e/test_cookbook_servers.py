@@ -116,6 +116,20 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
             res = json.loads(out.stdout.strip().splitlines()[-1])
             assert res["adapter"] == saved and len(res["samples"]) == 4
 
+            script = REPO / "cookbook/client/twinkle/self_host/dpo.py"
+            out = subprocess.run(
+                [PLAIN_PYTHON, str(script), "--max-steps", "4", "--pairs-per-step", "8"],
+                env=_plain_env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=work,
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            assert res["losses"][-1] < res["losses"][0] and res["margins"][-1] > 0
+            assert res["checkpoint"].startswith("twinkle://")
+
             script = REPO / "cookbook/client/tinker/self_host/self_cognition.py"
             out = subprocess.run(
                 [PLAIN_PYTHON, str(script), "--max-steps", "6"],
