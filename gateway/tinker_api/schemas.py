@@ -7,9 +7,9 @@ a 400 naming the field. Responses carry every field the SDK's strict response va
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class WireRequest(BaseModel):
@@ -283,6 +283,27 @@ class GetInfoResponse(BaseModel):
     optimizer_config: dict[str, Any]
 
 
+def _str_values(value: Any) -> Any:
+    """The SDK's schema: ``dict[str, str]``. A checkpoint saved through the native API records
+    numbers (``consumed_train_samples``); sent as they are, the SDK refuses the whole listing."""
+    if isinstance(value, dict):
+        return {str(k): v if isinstance(v, str) else json_text(v) for k, v in value.items()}
+    return value
+
+
+def json_text(value: Any) -> str:
+    import json
+
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+#: user_metadata as the Tinker SDK types it (its values are strings)
+StrMetadata = Annotated[dict[str, str] | None, BeforeValidator(_str_values)]
+
+
 class Checkpoint(BaseModel):
     checkpoint_id: str
     checkpoint_type: str
@@ -290,7 +311,7 @@ class Checkpoint(BaseModel):
     tinker_path: str
     size_bytes: int | None
     public: bool
-    user_metadata: dict[str, Any] | None
+    user_metadata: StrMetadata
     expires_at: str | None
 
 
@@ -304,7 +325,7 @@ class TrainingRun(BaseModel):
     last_request_time: str | None
     last_checkpoint: Checkpoint | None
     last_sampler_checkpoint: Checkpoint | None
-    user_metadata: dict[str, Any] | None
+    user_metadata: StrMetadata
 
 
 class Cursor(BaseModel):

@@ -144,7 +144,22 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
             losses = res["losses"]  # batches of 4 out of 8 rows: steps 0, 2, 4 see the same rows
             assert len(losses) == 6 and losses[4] < losses[2] < losses[0]
             assert res["state"].startswith("tinker://") and len(res["samples"]) == 2
+            assert res["sampler_path"].endswith("/sampler_weights/self-cognition")
             assert "step 6/6" in out.stderr  # a line per step
+
+            script = REPO / "cookbook/client/tinker/self_host/sample.py"  # its sampler weights
+            out = subprocess.run(
+                [PLAIN_PYTHON, str(script), "--max-tokens", "8"],
+                env=_plain_env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=work,
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            sampled = json.loads(out.stdout.strip().splitlines()[-1])
+            assert sampled["model_path"] == res["sampler_path"]
+            assert len(sampled["samples"]) == 2
 
             script = REPO / "cookbook/client/tinker/self_host/dpo.py"
             out = subprocess.run(

@@ -8,7 +8,8 @@ Upstream's tinker/self_cognition.py, on a Twinkle server: `init_tinker_client()`
 nothing set the local quick-start server) and fetches the tokenizer from it (no model hub). Data:
 self_cognition.jsonl from the twinkle/self_host folder with the placeholders filled, in the
 model's chat template, loss on the answer only. Trains ``--max-steps`` steps (a line per step),
-saves the state, then samples the trained adapter's answer to "Who are you?". Prints one JSON line
+saves the state and sampler weights, then samples the trained adapter's answer to "Who are
+you?". Prints one JSON line
 at the end (losses, checkpoint path, samples).
 """
 
@@ -90,7 +91,8 @@ def main(max_steps: int, batch_size: int, lr: float) -> dict:
             flush=True,
         )
     state = training.save_state("self-cognition").result().path
-    sampler = training.save_weights_and_get_sampling_client("self-cognition-sampler")
+    sampler_path = training.save_weights_for_sampler("self-cognition").result().path
+    sampler = service.create_sampling_client(model_path=sampler_path)
     res = sampler.sample(
         prompt=types.ModelInput.from_ints(prompt_ids(tok, "Who are you?")),
         num_samples=2,
@@ -98,7 +100,7 @@ def main(max_steps: int, batch_size: int, lr: float) -> dict:
     ).result()
     samples = [tok.decode(s.tokens, skip_special_tokens=True) for s in res.sequences]
     service.close("success")
-    return {"losses": losses, "state": state, "samples": samples}
+    return {"losses": losses, "state": state, "sampler_path": sampler_path, "samples": samples}
 
 
 if __name__ == "__main__":
