@@ -521,7 +521,7 @@ def _fake_init(monkeypatch, fake):
     monkeypatch.setattr(twinkle_client._client.TwinkleClient, "__init__", with_fake)
 
 
-@pytest.mark.parametrize("name", ["self_cognition", "grpo"])
+@pytest.mark.parametrize("name", ["self_cognition", "short_math_grpo"])
 def test_our_cookbook_scripts_run_against_the_fake(fake, monkeypatch, name):
     import importlib.util
     from pathlib import Path
