@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.backends import losses
 from engine.backends.train_batching import Request
-from engine.errors import BackendError, EngineError, UserInputError
+from engine.errors import BackendError, CheckpointError, EngineError, UserInputError
 from engine.protocol import (
     AdamParams,
     ForwardBackwardInput,
@@ -63,6 +63,25 @@ def new_optimizer(params: dict[str, nn.Parameter]) -> torch.optim.AdamW:
 def spec_shape(spec: LoraSpec) -> tuple:
     """What must match for a checkpoint to load into an existing adapter (not the seed)."""
     return (spec.rank, spec.alpha, spec.train_attn, spec.train_mlp, spec.train_unembed)
+
+
+def check_reload(st: AdapterState, spec: LoraSpec, adapter_id: str, path: object) -> None:
+    """A checkpoint loaded into an existing adapter must have its shape (the seed may differ:
+    it only matters at init)."""
+    if spec_shape(st.spec) != spec_shape(spec):
+        raise CheckpointError(
+            f"checkpoint {path} (rank {spec.rank}, alpha {spec.alpha}) does not match "
+            f"adapter {adapter_id!r} (rank {st.spec.rank}, alpha {st.spec.alpha}) or its "
+            "target modules"
+        )
+
+
+def finish_load(st: AdapterState, optimizer: torch.optim.AdamW, step: int, with_opt: bool):
+    """Install a loaded adapter's optimizer; a weights-only load starts a fresh optimizer, so
+    its step count restarts too."""
+    st.optimizer = optimizer
+    st.step = step if with_opt else 0
+    st.has_grad = False
 
 
 def check_spec(spec: LoraSpec, max_rank: int, model_name: str, error: type[Exception]) -> None:

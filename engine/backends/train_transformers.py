@@ -38,11 +38,12 @@ from engine.backends.train_common import (
     Job,
     adam_step,
     check_adam,
+    check_reload,
     check_spec,
+    finish_load,
     new_optimizer,
     require_grad,
     run_fused,
-    spec_shape,
 )
 from engine.errors import (
     AdapterNotFoundError,
@@ -321,14 +322,7 @@ class TransformersTrainingBackend(TrainingBackend):
             st = self._create(adapter_id, spec)
         else:
             st = self._adapters[adapter_id]
-            if spec_shape(st.spec) != spec_shape(
-                spec
-            ):  # the seed may differ: it only matters at init
-                raise CheckpointError(
-                    f"checkpoint {path} (rank {spec.rank}, alpha {spec.alpha}) does not match "
-                    f"adapter {adapter_id!r} (rank {st.spec.rank}, alpha {st.spec.alpha}) or its "
-                    "target modules"
-                )
+            check_reload(st, spec, adapter_id, path)
         try:
             # Everything that can fail on a bad file runs before the adapter is modified.
             optimizer = new_optimizer(st.params)
@@ -342,10 +336,7 @@ class TransformersTrainingBackend(TrainingBackend):
             load_adapter_weights(self.model, adapter_id, path)
             for p in st.params.values():
                 p.grad = None
-            st.optimizer = optimizer
-            # A weights-only load starts a fresh optimizer, so its step count restarts too.
-            st.step = step if saved_opt is not None else 0
-            st.has_grad = False
+            finish_load(st, optimizer, step, saved_opt is not None)
         except BaseException:
             if created:
                 self.delete_adapter(adapter_id)

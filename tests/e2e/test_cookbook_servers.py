@@ -49,6 +49,21 @@ def _plain_env(**extra: str) -> dict[str, str]:
     return {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), **extra}
 
 
+def _script(path: str, *args: str, cwd: Path) -> tuple[dict, str]:
+    """``python cookbook/client/<path> args`` as a user types it (system python, nothing set):
+    its final JSON line and its stderr (the per-step lines)."""
+    out = subprocess.run(
+        [PLAIN_PYTHON, str(REPO / "cookbook" / "client" / path), *args],
+        env=_plain_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
 @pytest.mark.parametrize("backend", ["megatron", "transformer"])
 def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
     """Terminal 1: ``python .../server/<backend>/server.py``; terminal 2, same directory:
@@ -88,90 +103,38 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
             assert json.loads(found.read_text()) == {"url": url, "key": token}
             assert oct(found.stat().st_mode & 0o777) == "0o600"
 
-            script = REPO / "cookbook/client/twinkle/self_host/self_cognition.py"
-            out = subprocess.run(
-                [PLAIN_PYTHON, str(script), "--max-steps", "4"],
-                env=_plain_env(),
-                capture_output=True,
-                text=True,
-                timeout=300,
-                cwd=work,
-            )
-            assert out.returncode == 0, out.stderr[-3000:]
-            res = json.loads(out.stdout.strip().splitlines()[-1])
+            res, _ = _script("twinkle/self_host/self_cognition.py", "--max-steps", "4", cwd=work)
             assert len(res["losses"]) == 4 and all(map(float, res["losses"]))
             assert res["checkpoint"].startswith("twinkle://")
             saved = res["checkpoint"]
 
-            script = REPO / "cookbook/client/twinkle/self_host/sample.py"  # the newest checkpoint
-            out = subprocess.run(
-                [PLAIN_PYTHON, str(script), "--prompts", "2", "--max-tokens", "8"],
-                env=_plain_env(),
-                capture_output=True,
-                text=True,
-                timeout=300,
-                cwd=work,
+            # sample.py takes the newest checkpoint: self_cognition's
+            res, _ = _script(
+                "twinkle/self_host/sample.py", "--prompts", "2", "--max-tokens", "8", cwd=work
             )
-            assert out.returncode == 0, out.stderr[-3000:]
-            res = json.loads(out.stdout.strip().splitlines()[-1])
             assert res["adapter"] == saved and len(res["samples"]) == 4
 
-            script = REPO / "cookbook/client/twinkle/self_host/dpo.py"
-            out = subprocess.run(
-                [PLAIN_PYTHON, str(script), "--max-steps", "4", "--pairs-per-step", "8"],
-                env=_plain_env(),
-                capture_output=True,
-                text=True,
-                timeout=300,
-                cwd=work,
+            res, _ = _script(
+                "twinkle/self_host/dpo.py", "--max-steps", "4", "--pairs-per-step", "8", cwd=work
             )
-            assert out.returncode == 0, out.stderr[-3000:]
-            res = json.loads(out.stdout.strip().splitlines()[-1])
             assert res["losses"][-1] < res["losses"][0] and res["margins"][-1] > 0
             assert res["checkpoint"].startswith("twinkle://")
 
-            script = REPO / "cookbook/client/tinker/self_host/self_cognition.py"
-            out = subprocess.run(
-                [PLAIN_PYTHON, str(script), "--max-steps", "6"],
-                env=_plain_env(),
-                capture_output=True,
-                text=True,
-                timeout=300,
-                cwd=work,
-            )
-            assert out.returncode == 0, out.stderr[-3000:]
-            res = json.loads(out.stdout.strip().splitlines()[-1])
+            res, err = _script("tinker/self_host/self_cognition.py", "--max-steps", "6", cwd=work)
             losses = res["losses"]  # batches of 4 out of 8 rows: steps 0, 2, 4 see the same rows
             assert len(losses) == 6 and losses[4] < losses[2] < losses[0]
             assert res["state"].startswith("tinker://") and len(res["samples"]) == 2
             assert res["sampler_path"].endswith("/sampler_weights/self-cognition")
-            assert "step 6/6" in out.stderr  # a line per step
+            assert "step 6/6" in err  # a line per step
 
-            script = REPO / "cookbook/client/tinker/self_host/sample.py"  # its sampler weights
-            out = subprocess.run(
-                [PLAIN_PYTHON, str(script), "--max-tokens", "8"],
-                env=_plain_env(),
-                capture_output=True,
-                text=True,
-                timeout=300,
-                cwd=work,
-            )
-            assert out.returncode == 0, out.stderr[-3000:]
-            sampled = json.loads(out.stdout.strip().splitlines()[-1])
+            # sample.py takes the newest sampler weights: self_cognition's
+            sampled, _ = _script("tinker/self_host/sample.py", "--max-tokens", "8", cwd=work)
             assert sampled["model_path"] == res["sampler_path"]
             assert len(sampled["samples"]) == 2
 
-            script = REPO / "cookbook/client/tinker/self_host/dpo.py"
-            out = subprocess.run(
-                [PLAIN_PYTHON, str(script), "--max-steps", "4", "--pairs-per-step", "8"],
-                env=_plain_env(),
-                capture_output=True,
-                text=True,
-                timeout=300,
-                cwd=work,
+            res, _ = _script(
+                "tinker/self_host/dpo.py", "--max-steps", "4", "--pairs-per-step", "8", cwd=work
             )
-            assert out.returncode == 0, out.stderr[-3000:]
-            res = json.loads(out.stdout.strip().splitlines()[-1])
             assert res["margins"][0] == pytest.approx(0.0, abs=1e-6)  # policy == reference
             assert res["losses"][-1] < res["losses"][0] and res["margins"][-1] > 0
             assert res["state"].startswith("tinker://")

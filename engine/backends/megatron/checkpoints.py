@@ -24,7 +24,13 @@ from engine.backends.lora import (
     target_module_names,
     write_adapter_files,
 )
-from engine.backends.train_common import AdapterState, check_spec, new_optimizer, spec_shape
+from engine.backends.train_common import (
+    AdapterState,
+    check_reload,
+    check_spec,
+    finish_load,
+    new_optimizer,
+)
 from engine.errors import CheckpointError, EngineError
 from engine.protocol import LoraSpec
 
@@ -158,12 +164,7 @@ class WorkerCheckpoints:
             st = self._create(adapter_id, spec)
         else:
             st = self._adapters[adapter_id]
-            if spec_shape(st.spec) != spec_shape(spec):  # the seed only matters at init
-                raise CheckpointError(
-                    f"checkpoint {path} (rank {spec.rank}, alpha {spec.alpha}) does not match "
-                    f"adapter {adapter_id!r} (rank {st.spec.rank}, alpha {st.spec.alpha}) or its "
-                    "target modules"
-                )
+            check_reload(st, spec, adapter_id, path)
         try:
             optimizer = new_optimizer(st.params)
             if saved_opt is not None:
@@ -190,9 +191,7 @@ class WorkerCheckpoints:
                 for name, p in st.params.items():
                     p.copy_(self.lora.shard(name, tensors[name]).to(p.dtype))
                     p.grad = None
-            st.optimizer = optimizer
-            st.step = step if saved_opt is not None else 0
-            st.has_grad = False
+            finish_load(st, optimizer, step, saved_opt is not None)
         except BaseException:
             if created:
                 self.delete_adapter(adapter_id)
