@@ -186,7 +186,8 @@ class ModelConfig(_Strict):
 
 class RayConfig(_Strict):
     address: str | None = Field(
-        default=None, description="Existing cluster; None starts a local Ray"
+        default=None,
+        description="Existing cluster to join (else $RAY_ADDRESS); None starts a private local Ray",
     )
     num_cpus: int | None = Field(
         default=None, ge=1, description="CPUs for a local Ray (default: all)"

@@ -1,8 +1,10 @@
 """`twinkle serve`: run the whole service in the foreground on Ray Serve.
 
-Owns: process start-up (migrations, the tiny model, a loopback Ray), the Serve application
-(gateway ingress bound to one Trainer and one Sampler per base model) and a clean shutdown on
-SIGTERM / Ctrl-C that leaves no Ray process behind.
+Owns: process start-up (migrations, the tiny model, then a private loopback Ray, or the existing
+cluster named by ``ray.address`` / ``RAY_ADDRESS``, as cookbook/client/server/run_server.sh starts
+one), the Serve application (gateway ingress bound to one Trainer and one Sampler per base model)
+and a clean shutdown on SIGTERM / Ctrl-C: our Serve application goes, and with a private Ray no Ray
+process is left behind (a joined cluster keeps running: its owner stops it).
 """
 
 from __future__ import annotations
@@ -96,10 +98,17 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
 
     install_handlers()
     t0 = time.monotonic()
-    if config.ray.address:
-        ray.init(address=config.ray.address, logging_level=logging.ERROR)
+    address = config.ray.address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, logging_level=logging.ERROR)
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in alive)
+        print(f"Joined the Ray cluster at {address}: {len(alive)} node(s), {cpus:g} CPUs")
     else:
+        # "local", not None: with None, Ray would join whatever cluster `ray start` last recorded
+        # in /tmp/ray/ray_current_cluster (another user's, or a dead one) instead of our own.
         ray.init(
+            address="local",
             num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, 4),
             include_dashboard=False,
             object_store_memory=config.ray.object_store_memory_mb * 1024 * 1024,

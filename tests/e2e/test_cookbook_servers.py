@@ -171,3 +171,56 @@ def test_tinker_sft_and_sample_script(server) -> None:
     losses = [float(x) for x in re.findall(r"loss/token (\d+\.\d+)", out.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0], out.stdout[-2000:]
     assert "saved tinker://" in out.stdout and "sample 0:" in out.stdout
+
+
+def test_run_sh_serves_on_a_ray_cluster_it_starts_and_stops(tmp_path: Path) -> None:
+    """``bash .../transformer/run.sh --cpu-workers 1``: a Ray head plus one worker node (token
+    auth), the server joins that cluster (RAY_ADDRESS), a client trains through it; SIGTERM stops
+    the server and both Ray nodes, and leaves no process of that cluster behind."""
+    config = yaml.safe_load((SERVERS / "transformer" / "server_config.yaml").read_text())
+    config["port"] = _free_port()
+    cfg_path = tmp_path / "server_config.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    work = tmp_path / "work"
+    work.mkdir()
+    log_path = tmp_path / "run.log"
+    ray_port = str(_free_port())
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            ["bash", str(SERVERS / "transformer" / "run.sh"), "--cpu-workers", "1"]
+            + ["--ray-port", ray_port],
+            env=_plain_env(TWINKLE_SERVER_CONFIG=str(cfg_path)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            start_new_session=True,
+        )
+        temp_dir = None
+        try:
+            deadline = time.monotonic() + 240
+            while "Twinkle ready" not in log_path.read_text():
+                assert proc.poll() is None, log_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+                time.sleep(1)
+            text = log_path.read_text()
+            joined = f"Joined the Ray cluster at 127.0.0.1:{ray_port}: 2 node(s)"
+            assert joined in text, text[-3000:]
+            m = re.search(r"temp dir: (\S+),", text)
+            assert m, text[-3000:]
+            temp_dir = m.group(1)
+            token = work / ".twinkle" / "ray_auth_token"
+            assert oct(token.stat().st_mode & 0o777) == "0o600"
+            res, _ = _script("twinkle/self_host/self_cognition.py", "--max-steps", "2", cwd=work)
+            assert len(res["losses"]) == 2 and res["checkpoint"].startswith("twinkle://")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                assert proc.wait(timeout=90) in (0, 143)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+    assert "[run.sh] Ray nodes stopped" in log_path.read_text()
+    assert temp_dir is not None
+    left = subprocess.run(["pgrep", "-f", temp_dir], capture_output=True, text=True).stdout
+    assert left == "", f"Ray processes of {temp_dir} left behind: {left}"
