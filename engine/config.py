@@ -19,6 +19,9 @@ from engine.errors import ConfigError
 TINY_MODEL_NAME = "twinkle/tiny-chat"
 #: the folder under ``<data_dir>/models`` the tiny model is built into (engine/base_models)
 TINY_MODEL_SUBDIR = "tiny-chat"
+TINY_VL_MODEL_NAME = "twinkle/tiny-vl"
+#: built-in models: name → folder under ``<data_dir>/models`` (engine/base_models/registry.py)
+BUILTIN_MODELS = {TINY_MODEL_NAME: TINY_MODEL_SUBDIR, TINY_VL_MODEL_NAME: "tiny-vl"}
 
 
 class _Strict(BaseModel):
@@ -91,6 +94,19 @@ class MegatronConfig(_Strict):
         return self
 
 
+class ImageLimits(_Strict):
+    """Caps on image inputs of VL models, checked before any work: count and size per request by
+    the gateway (413), decoded pixels by the engine before decoding (400)."""
+
+    max_per_request: int = Field(default=16, ge=1, description="Images in one request, all rows")
+    max_bytes: int = Field(
+        default=10 * 1024 * 1024, ge=1024, description="Encoded size of one image, bytes"
+    )
+    max_pixels: int = Field(
+        default=4096 * 4096, ge=64, description="Width × height of one image (decompression bombs)"
+    )
+
+
 class ModelConfig(_Strict):
     name: str = Field(description="Base model name clients use (e.g. twinkle/tiny-chat)")
     path: str | None = Field(
@@ -140,6 +156,9 @@ class ModelConfig(_Strict):
     )
     trainer: ReplicaConfig = Field(default_factory=ReplicaConfig)
     sampler: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    images: ImageLimits = Field(
+        default_factory=ImageLimits, description="Caps on image inputs (vision-language models)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -159,9 +178,9 @@ class ModelConfig(_Strict):
     def _check(self) -> ModelConfig:
         if self.max_lora_rank & (self.max_lora_rank - 1):
             raise ValueError(f"max_lora_rank must be a power of 2, got {self.max_lora_rank}")
-        if self.path is None and self.name != TINY_MODEL_NAME:
+        if self.path is None and self.name not in BUILTIN_MODELS:
             raise ValueError(
-                f"model {self.name!r} needs a 'path' (only {TINY_MODEL_NAME} is built in)"
+                f"model {self.name!r} needs a 'path' (built in: {', '.join(BUILTIN_MODELS)})"
             )
         if self.megatron is not None and self.backend != "megatron":
             raise ValueError(
@@ -181,7 +200,7 @@ class ModelConfig(_Strict):
         Trainer when it loads it (engine/base_models/registry.py)."""
         if self.path is not None:
             return Path(self.path).expanduser()
-        return Path(data_dir) / "models" / TINY_MODEL_SUBDIR
+        return Path(data_dir) / "models" / BUILTIN_MODELS[self.name]
 
 
 class RayConfig(_Strict):

@@ -134,16 +134,35 @@ def spec_target_modules(spec: LoraSpec) -> list[str]:
     return [m for flag, group in _GROUPS if getattr(spec, flag) for m in group]
 
 
+@dataclass(frozen=True)
+class ImagePart:
+    """One image of a model input (a Tinker ``ImageChunk``): its encoded bytes, declared format
+    (png | jpeg), the index into the text ``tokens`` where its image tokens go, the client's
+    ``expected_tokens`` (None: not given) and the chunk's index in the client's chunk list (for
+    error messages). The engine decodes and expands it (engine/backends/vision.py)."""
+
+    data: bytes
+    format: str
+    position: int
+    expected_tokens: int | None = None
+    chunk_index: int = 0
+
+
 @dataclass
 class DatumInput:
     """One training example. ``tokens`` is the model input (length N). ``loss_fn_inputs`` maps names
     to arrays whose first dimension is N: ``target_tokens`` int64 [N] (or [N, K]), ``weights``
     float32 [N] (or [N, K]), and, for RL losses, ``logprobs`` / ``advantages`` float32 [N].
     Embedding losses (`EMBEDDING_LOSS_FNS`) take no targets: ``anchor`` float32 [1] (1 = this row
-    is an anchor and starts a group, 0 = the positive / a negative of the current group)."""
+    is an anchor and starts a group, 0 = the positive / a negative of the current group).
+
+    With ``images`` (VL models), ``tokens`` holds only the text tokens and N counts each image's
+    tokens too (as Tinker's ``ModelInput.length`` does). Upstream Twinkle sends images already
+    expanded into ``tokens`` with ``pixel_values`` / ``image_grid_thw`` in ``loss_fn_inputs``."""
 
     tokens: list[int]
     loss_fn_inputs: dict[str, np.ndarray]
+    images: list[ImagePart] = field(default_factory=list)
 
 
 #: losses over pooled sentence embeddings instead of token log-probs (upstream Twinkle's
@@ -212,6 +231,8 @@ class SampleInput:
     prompt_tokens: list[int]
     num_samples: int = 1
     params: SamplingParams = field(default_factory=SamplingParams)
+    #: images of the prompt (VL models; positions index ``prompt_tokens``, text tokens only)
+    prompt_images: list[ImagePart] = field(default_factory=list)
     prompt_logprobs: bool = False
     #: top-k most likely tokens with logprobs at every prompt position / every sampled position
     topk_prompt_logprobs: int = 0

@@ -111,6 +111,15 @@ class NotImplementedOnServerError(GatewayError):
     default_message = "not implemented on this server"
 
 
+class PayloadTooLargeError(GatewayError):
+    """413: a request over a size cap of this server (images per request, bytes per image); the
+    message names the field, the cap and its config key. Not retried by the SDK."""
+
+    status_code = 413
+    code = "too_large"
+    default_message = "request too large"
+
+
 class RateLimitedError(GatewayError):
     """``RateLimitedError(message, retry_after_s)``; the second arg is optional (default 1 s)."""
 

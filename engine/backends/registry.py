@@ -35,7 +35,10 @@ def _transformers(model: ModelConfig, data_dir: str) -> TrainingBackend:
     from engine.backends.train_transformers import TransformersTrainingBackend
 
     return TransformersTrainingBackend(
-        _model_dir(model, data_dir), max_lora_rank=model.max_lora_rank, base_model_name=model.name
+        _model_dir(model, data_dir),
+        max_lora_rank=model.max_lora_rank,
+        base_model_name=model.name,
+        max_image_pixels=model.images.max_pixels,
     )
 
 
@@ -71,7 +74,9 @@ def _mock_training(model: ModelConfig, data_dir: str) -> TrainingBackend:
 def _torch(model: ModelConfig, data_dir: str) -> SamplingBackend:
     from engine.backends.sample_torch import TorchSamplingBackend
 
-    return TorchSamplingBackend(_model_dir(model, data_dir))
+    return TorchSamplingBackend(
+        _model_dir(model, data_dir), max_image_pixels=model.images.max_pixels
+    )
 
 
 def _vllm(model: ModelConfig, data_dir: str) -> SamplingBackend:

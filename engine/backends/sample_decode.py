@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.backends.lora import Segment, lora_routing
+from engine.backends.vision import Vision, VisionInputs
 from engine.protocol import (
     TOPK_MASK_LOGPROB,
     SampledSequence,
@@ -78,6 +79,8 @@ class RequestState:
     #: called as ``listener(sample_index, token, logprob)`` for each token as it is generated
     #: (on the decoding thread), for streaming; None when nobody listens
     listener: Callable[[int, int, float], None] | None = None
+    #: the prompt's images, processed (VL models; ``prompt`` holds their image tokens)
+    vision: VisionInputs | None = None
 
     def __post_init__(self) -> None:
         n = self.inp.num_samples
@@ -195,8 +198,12 @@ def decode_batch(
     pad_id: int,
     device: torch.device,
     hits_stop: Callable[[list[int], list[str], int], bool],
+    vision: Vision | None = None,
 ) -> None:
     """Decode every request of ``reqs`` (already in adapter order) in one batch; fills their state.
+
+    ``vision`` (VL models): rows with images get their pixels and M-RoPE positions (3-D on the
+    image, then text positions shifted by the row's delta, also for every decoded token).
 
     ``hits_stop(tokens, stop_strings, window)`` says whether a row's text now contains a stop
     string. Raises only for unexpected (backend) failures.
@@ -214,6 +221,10 @@ def decode_batch(
     ids, mask = ids.to(device), mask.to(device)
     # positions count real tokens only; padding gets 1 (any finite position: it is masked out)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    extra = vision.batch_kwargs([r.vision for r in reqs], ids) if vision is not None else {}
+    delta = torch.zeros(len(reqs), dtype=torch.long, device=device)
+    if extra:
+        positions, delta = vision.rope_positions(model, ids, mask, extra)  # type: ignore[union-attr]
     want_prompt_lps = any(r.wants_prompt_scores for r in reqs)
     with lora_routing(model, adapter_segments([r.adapter for r in reqs])):
         out = model(
@@ -222,6 +233,7 @@ def decode_batch(
             position_ids=positions,
             use_cache=True,
             logits_to_keep=0 if want_prompt_lps else 1,
+            **extra,
         )
     for i, r in enumerate(reqs):
         if r.wants_prompt_scores:
@@ -237,8 +249,9 @@ def decode_batch(
     if len(row_req) != len(reqs):
         gather = torch.tensor(row_req, dtype=torch.long, device=device)
         cache.batch_select_indices(gather)
-        last, mask = last[gather], mask[gather]
-    next_pos = torch.tensor([lengths[i] for i in row_req], dtype=torch.long, device=device)
+        last, mask, delta = last[gather], mask[gather], delta[gather]
+    # M-RoPE rows continue from their shifted positions (delta 0 for text-only rows and models)
+    next_pos = torch.tensor([lengths[i] for i in row_req], dtype=torch.long, device=device) + delta
     logits = last
     max_tokens = [r.inp.params.max_tokens for r in reqs]
     top_k_max = max(r.inp.topk_sample_logprobs for r in reqs)

@@ -22,7 +22,8 @@ from engine.backends.lora import inject_multi_lora, load_adapter, remove_adapter
 from engine.backends.sample_checks import validate_sample_input
 from engine.backends.sample_decode import RequestState, decode_batch
 from engine.backends.sample_decode import filter_logits as _filter_logits  # noqa: F401 (tests)
-from engine.errors import EngineError
+from engine.backends.vision import Vision, is_vision_model, load_base_model
+from engine.errors import EngineError, UserInputError
 from engine.protocol import SampleInput, SampleOutput
 
 #: the prompt_alt_tokens draws of a seeded request use this seed XOR the request seed
@@ -36,22 +37,30 @@ class TorchSamplingBackend(SamplingBackend):
     max_positions: int
     device: torch.device
 
-    def __init__(self, model_dir: str, *, max_cached_adapters: int = 32) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(
+        self, model_dir: str, *, max_cached_adapters: int = 32, max_image_pixels: int = 4096 * 4096
+    ) -> None:
+        from transformers import AutoTokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model.eval()
+        self.model = load_base_model(model_dir)
         self.model.requires_grad_(False)
         inject_multi_lora(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = self.model.config
+        #: image handling of a vision-language base model; None for a text model
+        self.vision = (
+            Vision(model_dir, config, max_image_pixels=max_image_pixels)
+            if is_vision_model(model_dir)
+            else None
+        )
+        text = config.get_text_config()  # a VL model's language model settings; else config
         emb = self.model.get_input_embeddings()
         # torch types Module attributes as Tensor | Module; an embedding's row count is an int
         self.vocab_size = int(cast(int, emb.num_embeddings))
-        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 1 << 30)
         eos = self.tokenizer.eos_token_id
         if eos is None:
-            eos = config.eos_token_id
+            eos = text.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         weight = emb.weight
         assert isinstance(weight, torch.Tensor)  # the embedding matrix (a Parameter)
@@ -138,10 +147,24 @@ class TorchSamplingBackend(SamplingBackend):
         if inp.prompt_alt_tokens_k and p.temperature != 0:
             # a seeded request's alternatives reproduce too, from a stream of their own
             alt_gen = self._make_generator(None if p.seed is None else int(p.seed) ^ ALT_SEED_XOR)
+        prompt, vis = [int(t) for t in inp.prompt_tokens], None
+        if inp.prompt_images:
+            if self.vision is None:
+                raise UserInputError(
+                    "prompt.chunks: image chunks: this base model is text-only; images need a VL "
+                    "model"
+                )
+            prompt, vis = self.vision.expand(prompt, inp.prompt_images, "prompt")
+            if len(prompt) + p.max_tokens > self.max_positions:
+                raise UserInputError(
+                    f"prompt: {len(prompt)} tokens with its images + max_tokens {p.max_tokens} "
+                    f"exceed the model's maximum sequence length {self.max_positions}"
+                )
         return RequestState(
             inp=inp,
             adapter=adapter,
-            prompt=[int(t) for t in inp.prompt_tokens],
+            prompt=prompt,
+            vision=vis,
             stop_ids=stop_ids,
             generator=None if p.temperature == 0 else self._make_generator(p.seed),
             alt_gen=alt_gen,
@@ -186,6 +209,7 @@ class TorchSamplingBackend(SamplingBackend):
                 pad_id=self.pad_id,
                 device=self.device,
                 hits_stop=self._hits_stop_string,
+                vision=self.vision,
             )
         finally:
             self._trim_cache()

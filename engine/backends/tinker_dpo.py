@@ -42,7 +42,9 @@ def tinker_dpo(inp: ForwardBackwardInput) -> ForwardBackwardInput:
         )
     config = {MEAN_REDUCTION: 1.0, **{TINKER_DPO_KEYS.get(k) or k: v for k, v in raw.items()}}
     data = [
-        DatumInput(d.tokens, {**d.loss_fn_inputs, "ref_logprobs": d.loss_fn_inputs["ref_logps"]})
+        DatumInput(
+            d.tokens, {**d.loss_fn_inputs, "ref_logprobs": d.loss_fn_inputs["ref_logps"]}, d.images
+        )
         for d in inp.data
     ]
     return replace(inp, data=data, loss_fn="dpo", loss_fn_config=config)

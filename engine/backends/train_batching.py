@@ -15,6 +15,7 @@ import torch
 
 from engine.backends.losses import LossSpec, get_loss, parse_config
 from engine.backends.tinker_dpo import tinker_dpo
+from engine.backends.vision import PREPROCESSED_KEYS, Vision, VisionInputs
 from engine.errors import UserInputError
 from engine.protocol import ForwardBackwardInput
 
@@ -26,6 +27,7 @@ class Datum:
     weights: np.ndarray  # float32 [N, K] (ones when absent)
     inputs: dict[str, np.ndarray]  # the loss's other float32 [N] loss_fn_inputs, by name
     two_d: bool  # target_tokens came as [N, K]: logprobs are returned as [N, K] too
+    vision: VisionInputs | None = None  # this row's images (VL models), in token order
 
 
 @dataclass
@@ -91,8 +93,43 @@ def check_range(arr: np.ndarray, vocab: int, field: str) -> None:
         )
 
 
-def _datum(d, f: str, loss: LossSpec, vocab: int, max_positions: int) -> Datum:
+def _tokens_and_images(d, f: str, vision: Vision | None) -> tuple[np.ndarray, VisionInputs | None]:
+    """The datum's model input with its images expanded (Tinker image chunks), or checked
+    (upstream's pre-processed ``pixel_values`` / ``image_grid_thw``); text rows pass through."""
+    images = getattr(d, "images", None) or []
+    lfi = d.loss_fn_inputs or {}
+    pre = [k for k in PREPROCESSED_KEYS if lfi.get(k) is not None]
+    if (images or pre) and vision is None:
+        what = f"{f}.model_input.chunks: image chunks" if images else f"{f}.loss_fn_inputs.{pre[0]}"
+        raise UserInputError(f"{what}: this base model is text-only; images need a VL model")
+    if images and pre:
+        raise UserInputError(
+            f"{f}.loss_fn_inputs.{pre[0]}: send images either as image chunks or as "
+            "pre-processed pixel_values / image_grid_thw, not both"
+        )
+    if images:
+        assert vision is not None
+        toks, vis = vision.expand(
+            _as_int_array(d.tokens, f"{f}.model_input").tolist(), images, f"{f}.model_input"
+        )
+        return np.asarray(toks, dtype=np.int64), vis
     toks = _as_int_array(d.tokens, f"{f}.model_input")
+    if pre:
+        assert vision is not None
+        if len(pre) != 2:
+            missing = next(k for k in PREPROCESSED_KEYS if k not in pre)
+            raise UserInputError(f"{f}.loss_fn_inputs.{missing}: required with {pre[0]}")
+        vis = vision.preprocessed(
+            toks, lfi["pixel_values"], lfi["image_grid_thw"], f"{f}.loss_fn_inputs"
+        )
+        return toks, vis
+    return toks, None
+
+
+def _datum(
+    d, f: str, loss: LossSpec, vocab: int, max_positions: int, vision: Vision | None = None
+) -> Datum:
+    toks, vis = _tokens_and_images(d, f, vision)
     n = toks.shape[0] if toks.ndim == 1 else 0
     if toks.ndim != 1 or n == 0:
         raise UserInputError(f"{f}.model_input: must contain at least one token")
@@ -105,6 +142,8 @@ def _datum(d, f: str, loss: LossSpec, vocab: int, max_positions: int) -> Datum:
     lfi = d.loss_fn_inputs or {}
     field = f"{f}.loss_fn_inputs"
     if loss.embedding:
+        if vis is not None:
+            raise UserInputError(f"{f}.model_input: embedding losses take text rows only")
         return _embedding_datum(toks, lfi, field, loss)
     if "target_tokens" not in lfi:
         raise UserInputError(f"{field}.target_tokens: required by loss_fn {loss.name!r}")
@@ -137,7 +176,9 @@ def _datum(d, f: str, loss: LossSpec, vocab: int, max_positions: int) -> Datum:
                 raise UserInputError(f"{field}.{name}: required by loss_fn {loss.name!r}")
             continue
         inputs[name] = _as_float_array(lfi[name], f"{field}.{name}", (n,), n)
-    return Datum(toks, tgt.reshape(n, -1), wa.reshape(n, -1), inputs, two_d=tgt.ndim == 2)
+    return Datum(
+        toks, tgt.reshape(n, -1), wa.reshape(n, -1), inputs, two_d=tgt.ndim == 2, vision=vis
+    )
 
 
 def _embedding_datum(toks: np.ndarray, lfi, field: str, loss: LossSpec) -> Datum:
@@ -177,8 +218,11 @@ def _check_groups(data: list[Datum]) -> None:
             )
 
 
-def validate_request(inp: ForwardBackwardInput, vocab: int, max_positions: int) -> Request:
-    """Check the whole request (loss name, config, every datum) before any compute."""
+def validate_request(
+    inp: ForwardBackwardInput, vocab: int, max_positions: int, vision: Vision | None = None
+) -> Request:
+    """Check the whole request (loss name, config, every datum) before any compute; ``vision``
+    (VL models) expands and processes images, a text model refuses them."""
     inp = tinker_dpo(inp)
     loss = get_loss(inp.loss_fn)
     config, disable_lora = parse_config(loss, inp.loss_fn_config, bool(inp.forward_only))
@@ -189,7 +233,9 @@ def validate_request(inp: ForwardBackwardInput, vocab: int, max_positions: int) 
             f"data: loss_fn {loss.name!r} takes (chosen, rejected) pairs in batch order, so an "
             f"even number of datums; got {len(inp.data)}"
         )
-    data = [_datum(d, f"data[{i}]", loss, vocab, max_positions) for i, d in enumerate(inp.data)]
+    data = [
+        _datum(d, f"data[{i}]", loss, vocab, max_positions, vision) for i, d in enumerate(inp.data)
+    ]
     if loss.embedding:
         _check_groups(data)
     return Request(loss, config, data, bool(inp.forward_only), disable_lora)

@@ -45,6 +45,7 @@ from engine.backends.train_common import (
     require_grad,
     run_fused,
 )
+from engine.backends.vision import Vision, is_vision_model, load_base_model
 from engine.errors import (
     AdapterNotFoundError,
     CheckpointError,
@@ -77,21 +78,26 @@ class TransformersTrainingBackend(TrainingBackend):
         max_lora_rank: int = 64,
         base_model_name: str = "",
         max_batch_tokens: int = 16384,
+        max_image_pixels: int = 4096 * 4096,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model.eval()  # no dropout: results must not depend on RNG
+        self.model = load_base_model(model_dir)  # eval mode: no dropout, results need no RNG
         self.model.requires_grad_(False)
-        inject_multi_lora(self.model)
+        inject_multi_lora(self.model)  # decoder layers and lm_head only: a VL tower stays frozen
         config = self.model.config
+        #: image handling of a vision-language base model; None for a text model
+        self.vision = (
+            Vision(model_dir, config, max_image_pixels=max_image_pixels)
+            if is_vision_model(model_dir)
+            else None
+        )
         emb = self.model.get_input_embeddings()
         # torch types Module attributes as Tensor | Module; an embedding's row count is an int
         self.vocab_size = int(cast(int, emb.num_embeddings))
         self.max_lora_rank = int(max_lora_rank)
-        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        text = config.get_text_config()  # a VL model's language model settings; else config
+        self.max_positions = int(getattr(text, "max_position_embeddings", 0) or 1 << 30)
         self.base_model_name = base_model_name or str(model_dir)
-        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        pad = text.pad_token_id if text.pad_token_id is not None else text.eos_token_id
         self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
         #: padded tokens per forward pass; larger inputs are split into micro-batches
         self.max_batch_tokens = int(max_batch_tokens)
@@ -164,13 +170,13 @@ class TransformersTrainingBackend(TrainingBackend):
 
     def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> Job:
         self._get(adapter_id)
-        req = validate_request(inp, self.vocab_size, self.max_positions)
+        req = validate_request(inp, self.vocab_size, self.max_positions, self.vision)
         return Job(slot, adapter_id, req, outputs=[{} for _ in req.data])
 
     def validate_input(self, inp: ForwardBackwardInput) -> None:
         """Raise the UserInputError the request would fail with, without computing anything
         (the Trainer checks a whole request before running it in slices)."""
-        validate_request(inp, self.vocab_size, self.max_positions)
+        validate_request(inp, self.vocab_size, self.max_positions, self.vision)
 
     def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
         job = self._prepare(0, adapter_id, inp)
@@ -225,7 +231,10 @@ class TransformersTrainingBackend(TrainingBackend):
     def _logprobs(self, rows: list[Datum]) -> torch.Tensor:
         """log p(targets) [B, T, K] of right-padded rows, under the current LoRA routing."""
         ids, mask, tgt = pad_rows(rows, self.pad_id, self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        extra = self.vision.batch_kwargs([d.vision for d in rows], ids) if self.vision else {}
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, use_cache=False, **extra
+        ).logits.float()
         return logits.gather(-1, tgt) - torch.logsumexp(logits, dim=-1, keepdim=True)
 
     def _embeddings(self, rows: list[Datum]) -> torch.Tensor:

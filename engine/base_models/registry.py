@@ -1,18 +1,19 @@
 """Names of base models the server knows, and where their files live.
 
 Owns the mapping from a configured model name (what clients see as ``base_model``) to a local
-HF-format directory. The tiny offline model is built on first use under ``<data_dir>/models``.
+HF-format directory. The tiny offline models (chat and vision-language) are built on first use
+under ``<data_dir>/models``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import TINY_MODEL_NAME, TINY_MODEL_SUBDIR
+from engine.config import BUILTIN_MODELS, TINY_VL_MODEL_NAME
 from engine.errors import ConfigError
 
 #: name → sub-directory of ``<data_dir>/models`` for models the server can build itself
-_BUILDABLE = {TINY_MODEL_NAME: TINY_MODEL_SUBDIR}
+_BUILDABLE = BUILTIN_MODELS
 
 
 def known_model_names() -> list[str]:
@@ -39,7 +40,13 @@ def resolve_model_dir(name: str, data_dir: str | Path, path: str | None = None) 
         )
     out = Path(data_dir) / "models" / _BUILDABLE[name]
     if not (out / "config.json").is_file():
-        from engine.base_models.tiny import build_tiny  # heavy imports only when a build is needed
+        # heavy imports only when a build is needed
+        if name == TINY_VL_MODEL_NAME:
+            from engine.base_models.tiny_vl import build_tiny_vl
 
-        build_tiny(out)
+            build_tiny_vl(out)
+        else:
+            from engine.base_models.tiny import build_tiny
+
+            build_tiny(out)
     return out

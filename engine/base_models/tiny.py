@@ -39,7 +39,9 @@ CHAT_TEMPLATE = (
 _VOLATILE_JSON_KEYS = ("transformers_version",)
 
 
-def _train_tokenizer():
+def _train_tokenizer(special_tokens: list[str] = SPECIAL_TOKENS, extra: dict | None = None):
+    """The tiny models' tokenizer; ``special_tokens`` are ids 0.. in order, ``extra`` goes to
+    PreTrainedTokenizerFast (the vision model's named special tokens)."""
     from tokenizers import (
         Regex,
         Tokenizer,
@@ -71,7 +73,7 @@ def _train_tokenizer():
         vocab_size=BPE_VOCAB_SIZE,
         min_frequency=2,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         show_progress=False,
     )
     lines = CORPUS_PATH.read_text(encoding="utf-8").splitlines()
@@ -82,6 +84,7 @@ def _train_tokenizer():
         eos_token="<|im_end|>",
         pad_token="<|pad|>",
         model_max_length=MAX_POSITIONS,
+        **(extra or {}),
     )
     hf_tok.chat_template = CHAT_TEMPLATE
     return hf_tok
@@ -131,16 +134,25 @@ def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
 
     If ``out_dir`` already holds a model (e.g. another process finished first) it is left as is.
     """
+
+    def fill(tmp: Path) -> None:
+        tokenizer = _train_tokenizer()
+        model = _build_model(tokenizer, seed)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return build_atomically(out_dir, fill)
+
+
+def build_atomically(out_dir: str | Path, fill) -> Path:
+    """Run ``fill(tmp)`` in a sibling temp dir, scrub version keys, rename it to ``out_dir``."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        tokenizer = _train_tokenizer()
-        model = _build_model(tokenizer, seed)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        fill(tmp)
         _scrub_json(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the model is a shared, read-only asset
         try:

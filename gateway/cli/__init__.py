@@ -14,14 +14,26 @@ def _models_main(argv: list[str]) -> int:
     )
     build.add_argument("--out", help="output folder (default: $TWINKLE_DATA_DIR/models/tiny-chat)")
     build.add_argument("--seed", type=int, default=0)
+    build_vl = sub.add_parser(
+        "build-tiny-vl",
+        help="build the offline tiny vision-language model (twinkle/tiny-vl, Qwen2-VL)",
+    )
+    build_vl.add_argument("--out", help="output folder (default: $TWINKLE_DATA_DIR/models/tiny-vl)")
+    build_vl.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from engine.base_models.tiny import build_tiny
     from gateway.settings import Settings
 
+    if args.cmd == "build-tiny-vl":
+        from engine.base_models.tiny_vl import build_tiny_vl
+
+        out = args.out or str(Settings.from_env().data_dir / "models" / "tiny-vl")
+        print(build_tiny_vl(out, seed=args.seed))
+        return 0
+    from engine.base_models.tiny import build_tiny
+
     out = args.out or str(Settings.from_env().data_dir / "models" / "tiny-chat")
-    path = build_tiny(out, seed=args.seed)
-    print(path)
+    print(build_tiny(out, seed=args.seed))
     return 0
 
 

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError
 from gateway.deps import DbDep, EngineDep, FuturesDep, PrincipalDep, owned_run
 from gateway.errors import InvalidRequestError
 from gateway.errors import format_validation_errors as _format  # one wording for 400s
+from gateway.images import json_image_chunk
 from gateway.tinker_api.schemas import FutureResponse, ModelInputWire, WireRequest, returns
 from gateway.tinker_api.wire_pb import pb
 
@@ -79,12 +80,20 @@ def json_forward_backward_to_proto(payload: Any, *, forward_only: bool = False) 
     for i, d in enumerate(req.forward_backward_input.data):
         dm = msg.data.add()
         for j, chunk in enumerate(d.model_input.chunks):
+            where = f"forward_backward_input.data[{i}].model_input.chunks[{j}]"
             kind = chunk.get("type", "encoded_text")
+            if kind == "image":
+                data, fmt, expected = json_image_chunk(chunk, where)
+                img = dm.model_input.add().image
+                img.data, img.format = data, fmt
+                if expected is not None:
+                    img.expected_tokens = expected
+                continue
             toks = chunk.get("tokens")
             if kind != "encoded_text" or not isinstance(toks, list):
                 raise InvalidRequestError(
-                    f"forward_backward_input.data[{i}].model_input.chunks[{j}]: only "
-                    "encoded_text chunks with a tokens list are supported"
+                    f"{where}: only encoded_text chunks with a tokens list and image chunks are "
+                    "supported"
                 )
             dm.model_input.add().encoded_text.tokens = np.asarray(toks, dtype=np.int32).tobytes()
         for name, t in d.loss_fn_inputs.items():

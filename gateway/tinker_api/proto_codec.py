@@ -16,6 +16,7 @@ from engine.protocol import (
     DatumInput,
     ForwardBackwardInput,
     ForwardBackwardOutput,
+    ImagePart,
     SampleOutput,
     TopkLogprobs,
 )
@@ -65,6 +66,50 @@ def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     return arr
 
 
+def model_input_chunks(chunks, where: str) -> tuple[list[int], list[ImagePart]]:
+    """Text tokens and image parts of a protobuf ``ModelInput``'s chunks. Images stay encoded:
+    the engine decodes, checks and expands them (engine/backends/vision.py)."""
+    tokens: list[int] = []
+    images: list[ImagePart] = []
+    for j, chunk in enumerate(chunks):
+        which = chunk.WhichOneof("chunk")
+        if which == "encoded_text":
+            if len(chunk.encoded_text.tokens) % 4:
+                raise InvalidRequestError(f"{where}.chunks[{j}].tokens: not int32 values")
+            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        elif which == "image":
+            img = chunk.image
+            if img.HasField("override_dimensions"):
+                raise InvalidRequestError(
+                    f"{where}.chunks[{j}].override_dimensions: not supported; resize the image "
+                    "before sending it"
+                )
+            expected = int(img.expected_tokens) if img.HasField("expected_tokens") else None
+            if expected is not None and expected < 1:
+                raise InvalidRequestError(f"{where}.chunks[{j}].expected_tokens: must be ≥ 1")
+            images.append(
+                ImagePart(
+                    data=bytes(img.data),
+                    format=img.format,
+                    position=len(tokens),
+                    expected_tokens=expected,
+                    chunk_index=j,
+                )
+            )
+        else:
+            raise InvalidRequestError(
+                f"{where}.chunks[{j}]: {which} chunks are not supported; send encoded_text "
+                "or image chunks"
+            )
+    return tokens, images
+
+
+def image_token_count(d: DatumInput) -> int:
+    """Tokens a datum's images take, as the client sized them (``expected_tokens``; an image
+    without it counts as one until the engine expands it): for metering before any decoding."""
+    return sum(p.expected_tokens or 1 for p in d.images)
+
+
 def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackwardInput]:
     """Parse a ForwardBackwardRequest; returns (model_id, seq_id, engine input)."""
     msg = pb.ForwardBackwardRequest()
@@ -80,20 +125,12 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackwardInput
         raise InvalidRequestError("data: must contain at least one datum")
     data: list[DatumInput] = []
     for i, d in enumerate(msg.data):
-        tokens: list[int] = []
-        for j, chunk in enumerate(d.model_input):
-            which = chunk.WhichOneof("chunk")
-            if which != "encoded_text":
-                raise InvalidRequestError(
-                    f"data[{i}].model_input.chunks[{j}]: {which} chunks are not supported by "
-                    "text models; send encoded_text"
-                )
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        tokens, images = model_input_chunks(d.model_input, f"data[{i}].model_input")
         inputs = {
             name: _tensor(t, f"data[{i}].loss_fn_inputs.{name}")
             for name, t in d.loss_fn_inputs.items()
         }
-        data.append(DatumInput(tokens=tokens, loss_fn_inputs=inputs))
+        data.append(DatumInput(tokens=tokens, loss_fn_inputs=inputs, images=images))
     config: dict[str, float | str] = dict(msg.loss_fn_config)
     for key, val in msg.loss_fn_config_v2.items():
         which = val.WhichOneof("value")

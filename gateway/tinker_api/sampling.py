@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from engine.protocol import SampleInput, SamplingParams
+from engine.protocol import ImagePart, SampleInput, SamplingParams
 from gateway.db.tables import SamplingSessionRow, TrainingRunRow
 from gateway.deps import ConfigDep, DbDep, PrincipalDep, owned_sampler, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.futures.store import fingerprint
+from gateway.images import check_images, json_image_chunk
 from gateway.quotas.concurrency import SamplingLimiter, SamplingLimiterDep
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.tinker_api.proto_codec import encode_sample_output, target_ids_from_wire
@@ -97,21 +98,28 @@ def _sampling_params(req: SampleRequest) -> SamplingParams:
     )
 
 
-def _prompt_tokens(req: SampleRequest) -> list[int]:
+def _prompt(req: SampleRequest) -> tuple[list[int], list[ImagePart]]:
+    """The prompt's text tokens and its images (JSON image chunks: base64 ``data``)."""
     tokens: list[int] = []
+    images: list[ImagePart] = []
     for i, chunk in enumerate(req.prompt.chunks):
         kind = chunk.get("type", "encoded_text")
+        if kind == "image":
+            data, fmt, expected = json_image_chunk(chunk, f"prompt.chunks[{i}]")
+            images.append(ImagePart(data, fmt, len(tokens), expected, chunk_index=i))
+            continue
         if kind != "encoded_text":
             raise InvalidRequestError(
-                f"prompt.chunks[{i}].type: {kind!r} chunks are not supported by text models"
+                f"prompt.chunks[{i}].type: {kind!r} chunks are not supported (encoded_text and "
+                "image are; this server fetches nothing, so image_asset_pointer is refused)"
             )
         toks = chunk.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise InvalidRequestError(f"prompt.chunks[{i}].tokens: must be a list of integers")
         tokens.extend(toks)
-    if not tokens:
+    if not tokens and not images:
         raise InvalidRequestError("prompt: must contain at least one token")
-    return tokens
+    return tokens, images
 
 
 @router.post("/asample", **returns(SampleFutureResponse))
@@ -148,8 +156,13 @@ async def _sample_run(
     target_ids, target_csr = None, None
     if req.target_prompt_logprobs is not None:
         target_ids, target_csr = target_ids_from_wire(req.target_prompt_logprobs)
+    tokens, images = _prompt(req)
+    model_cfg = t.config.model(base)
+    if images and model_cfg is not None:
+        check_images([(f"prompt.chunks[{p.chunk_index}]", p) for p in images], model_cfg.images)
     inp = SampleInput(
-        prompt_tokens=_prompt_tokens(req),
+        prompt_tokens=tokens,
+        prompt_images=images,
         num_samples=req.num_samples,
         params=_sampling_params(req),
         prompt_logprobs=req.prompt_logprobs,
@@ -165,7 +178,8 @@ async def _sample_run(
     # submit until the future finishes; over it: 429, no future is recorded, the SDK retries.
     who, quotas, engine, ledger = t.who, limiter.quotas, t.engine, t.usage
     limits = quotas.limits(who, t.db)
-    budget = len(inp.prompt_tokens) + inp.params.max_tokens * inp.num_samples
+    n_prompt = len(inp.prompt_tokens) + sum(p.expected_tokens or 1 for p in images)
+    budget = n_prompt + inp.params.max_tokens * inp.num_samples
     charged = await quotas.charge_tokens(who, "sample", budget, limits)
     try:
         slot = await limiter.acquire(who, limits)
@@ -181,9 +195,9 @@ async def _sample_run(
         try:
             out = await engine.sampler(base, "sample", inp, affinity=affinity)
             sampled = sum(len(s.tokens) for s in out.sequences)
-            used = len(inp.prompt_tokens) + sampled
+            used = n_prompt + sampled
             for kind, n in (
-                ("sampling_prefill", len(inp.prompt_tokens)),
+                ("sampling_prefill", n_prompt),
                 ("sampling_sample", sampled),
             ):
                 ledger.record(

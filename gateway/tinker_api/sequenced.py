@@ -37,7 +37,7 @@ from gateway.config import ServerConfig
 from gateway.db.tables import TrainingRunRow, utcnow
 from gateway.deps import DbDep, EngineDep, FuturesDep, PrincipalDep
 from gateway.engine_client import EngineClient
-from gateway.errors import InvalidRequestError, QuotaExceededError
+from gateway.errors import InvalidRequestError, PayloadTooLargeError, QuotaExceededError
 from gateway.futures.store import FutureRecord, FutureStore
 from gateway.quotas import Quotas, QuotasDep
 from gateway.settings import Settings
@@ -130,7 +130,7 @@ async def submit_sequenced(
         touch(t.db, run)
         try:
             job = await prepare()
-        except (InvalidRequestError, QuotaExceededError) as exc:
+        except (InvalidRequestError, QuotaExceededError, PayloadTooLargeError) as exc:
             job = in_order_rejection(t.engine, run, seq_id, str(exc))
         return job, {"base_model": run.base_model}
 

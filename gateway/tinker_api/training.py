@@ -19,9 +19,10 @@ from gateway.db.tables import TrainingRunRow
 from gateway.deps import owned_run, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.futures.store import fingerprint
+from gateway.images import check_images
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.tinker_api import compat, jobs
-from gateway.tinker_api.proto_codec import decode_forward_backward
+from gateway.tinker_api.proto_codec import decode_forward_backward, image_token_count
 from gateway.tinker_api.schemas import (
     CreateModelRequest,
     FutureResponse,
@@ -198,7 +199,17 @@ async def forward_backward(request: Request, t: TinkerDep) -> dict:
     async def prepare() -> Run:
         if inp is None:  # undecodable data: fails in order (decode's message)
             raise InvalidRequestError(error or "forward_backward_input: missing")
-        n_tokens = sum(len(d.tokens) for d in inp.data)
+        model_cfg = t.config.model(run.base_model)
+        if model_cfg is not None:  # 413 over the image caps, in order like any bad input
+            check_images(
+                [
+                    (f"data[{i}].model_input.chunks[{p.chunk_index}]", p)
+                    for i, d in enumerate(inp.data)
+                    for p in d.images
+                ],
+                model_cfg.images,
+            )
+        n_tokens = sum(len(d.tokens) + image_token_count(d) for d in inp.data)
         # Over the rate: 429 + retry-after (the SDK resends this seq_id); a request that can
         # never fit is a QuotaExceededError, which fails this seq_id in order.
         await t.quotas.charge_tokens(t.who, "train", n_tokens, t.quotas.limits(t.who, t.db))

@@ -24,3 +24,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.base_models.tiny import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny vision-language model (engine/base_models/tiny_vl.py), built once per session."""
+    from engine.base_models.tiny_vl import build_tiny_vl
+
+    return build_tiny_vl(tmp_path_factory.mktemp("models") / "tiny-vl")
