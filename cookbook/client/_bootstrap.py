@@ -26,7 +26,9 @@ def ensure_venv(script: str, modules: tuple[str, ...], *, install: bool = True) 
     else:
         return
     venv_python = ROOT / ".venv" / "bin" / "python"
-    if Path(sys.executable).resolve() == venv_python.resolve():
+    # sys.prefix, not the executable: a venv's python is a symlink to the base interpreter, so
+    # resolved paths cannot tell "inside .venv" from "the python .venv was built from"
+    if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
         raise SystemExit(f"the .venv lacks {', '.join(modules)}: run bash scripts/install.sh")
     if not (ROOT / ".venv" / ".twinkle-installed").exists():
         if not install:

@@ -99,7 +99,7 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
     install_handlers()
     t0 = time.monotonic()
     address = config.ray.address or os.environ.get("RAY_ADDRESS") or None
-    if address:
+    if address and address != "local":  # Ray's own spelling of "start a private one"
         ray.init(address=address, logging_level=logging.ERROR)
         alive = [n for n in ray.nodes() if n.get("Alive")]
         cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in alive)

@@ -17,6 +17,7 @@ from fastapi.responses import FileResponse
 from gateway.db.tables import SessionRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import delete_checkpoint, readable_checkpoint
 from gateway.tinker_api import runs as tinker_runs
 from gateway.tinker_api import sessions as tinker_sessions
@@ -114,11 +115,14 @@ async def get_checkpoint(who: PrincipalDep, db: DbDep, path: str = Query(...)) -
 
 
 @router.delete("/checkpoint")
-async def delete_checkpoint_route(who: PrincipalDep, db: DbDep, path: str = Query(...)) -> dict:
+async def delete_checkpoint_route(
+    who: PrincipalDep, db: DbDep, quotas: QuotasDep, path: str = Query(...)
+) -> dict:
     row = readable_checkpoint(db, who.user_id, path, "path")
     if row.user_id != who.user_id:  # a public checkpoint of someone else: readable, not theirs
         raise NotFoundError(f"path: checkpoint {path} not found")
     delete_checkpoint(db, row)
+    await quotas.release_checkpoint(who.user_id, who.org_id, row.tinker_path)  # frees its slot
     return {"deleted": path}
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from engine.protocol import LoraSpec, lora_spec_from_config
 from gateway.accounts.keys import Principal
@@ -254,8 +254,29 @@ async def _save(call: Call, kw: dict) -> dict:
     directory = new_storage_dir(call.settings.data_dir, call.who.user_id, parsed)
     directory.parent.mkdir(parents=True, exist_ok=True)
     kw.update(name=directory.name, output_dir=str(directory.parent))
-    await call.invoke("save", kw)
+    # the checkpoint quotas (max_checkpoints, max_checkpoint_bytes), as for Tinker's saves: 403
+    # at a cap before any work; the run's last checkpoint size estimates this one's
+    last = call.db.exec(
+        select(CheckpointRow.size_bytes)
+        .where(CheckpointRow.run_id == rid)
+        .order_by(col(CheckpointRow.created_at).desc())
+    ).first()
+    await call.quotas.reserve_checkpoint(call.who, parsed.tinker_path, int(last or 0), call.db)
+    replaces = (
+        call.db.exec(
+            select(CheckpointRow.id).where(CheckpointRow.tinker_path == parsed.tinker_path)
+        ).first()
+        is not None
+    )
+    try:
+        await call.invoke("save", kw)
+    except BaseException:
+        if not replaces:
+            who = call.who
+            await call.quotas.release_checkpoint(who.user_id, who.org_id, parsed.tinker_path)
+        raise
     size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    await call.quotas.commit_checkpoint(call.who.user_id, call.who.org_id, parsed.tinker_path, size)
     with Session(call.db.get_bind()) as s:
         old = s.exec(select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path))
         old = old.first()

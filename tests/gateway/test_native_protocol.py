@@ -220,3 +220,23 @@ def test_sample_stream_is_ndjson_and_equals_sample(env):
     two = dict(body, sampling_params={"max_tokens": 6, "num_samples": 2})
     r = a.post(f"{S}/sample_stream", two, ok=False)
     assert r.status_code == 400 and "num_samples" in r.text
+
+
+def test_native_saves_count_against_the_checkpoint_quota(make_gateway):
+    """``model.save`` takes a slot of max_checkpoints like Tinker's saves (403 at the cap, naming
+    it); overwriting the same name fits its slot; deleting frees it."""
+    from tests.gateway.harness import set_quota
+
+    gw = make_gateway()
+    u = User(gw.client, gw.key("carol"))
+    set_quota(gw.db_url, "user", "carol", "max_checkpoints", 1)
+    u.post(f"{M}/create")
+    u.post(f"{M}/add_adapter_to_model", {"adapter_name": "default", "config": LORA})
+    first = u.post(f"{M}/save", {"name": "a", "adapter_name": "default"})["twinkle_path"]
+    u.post(f"{M}/save", {"name": "a", "adapter_name": "default"})  # the same slot again
+    over = u.post(f"{M}/save", {"name": "b", "adapter_name": "default"}, ok=False)
+    assert over.status_code == 403, over.text
+    assert "max_checkpoints" in over.text and "limit 1" in over.text
+    r = gw.client.delete("/api/v1/twinkle/checkpoint", params={"path": first}, headers=u.h())
+    assert r.status_code == 200, r.text
+    assert u.post(f"{M}/save", {"name": "b", "adapter_name": "default"})["twinkle_path"]
