@@ -14,6 +14,7 @@ input position of the row as sent (length = len(input_ids)). They replace per-ro
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -114,7 +115,7 @@ def apply_call_inputs(
                 continue
             arr = _scatter(v, field, trained, src, row_len)
             lfi[key] = arr * trained if key == "advantages" else arr
-        data.append(DatumInput(tokens=d.tokens, loss_fn_inputs=lfi))
+        data.append(replace(d, loss_fn_inputs=lfi))  # images and the rest kept
     return Batch(data, batch.src, batch.row_len)
 
 

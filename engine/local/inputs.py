@@ -21,14 +21,15 @@ Three formats, per datum (a list of them, or one dict, is one batch):
     Without labels: labels = input_ids.
 
   ``weights`` = 1 where the target is not -100. Only these row keys are read: ``input_ids``,
-  ``labels``, ``attention_mask`` and the loss inputs ``logprobs``, ``advantages``,
-  ``ref_logprobs``. Every other key is ignored: upstream rows carry dataset columns
-  (``messages``, ``query``, ``response``, ``tag``, ``user_data``, ``question``, ``answer``,
-  ``prompt``, ``length``, ``position_ids``, ``token_type_ids``, ...). A loss-input array as long as
-  input_ids is aligned like the targets (``[1:]`` for hf); anything else is passed through for the
-  backend to validate. ``advantages`` (per token, or one scalar per sequence broadcast) is zeroed
-  where the label is -100, since the RL losses take no ``weights`` (``dro``'s quadratic penalty
-  is not masked: it covers every position).
+  ``labels``, ``attention_mask``, the loss inputs ``logprobs``, ``advantages``,
+  ``ref_logprobs``, and a VL model's processed images ``pixel_values`` / ``image_grid_thw``
+  (upstream's multi-modal template; passed on whole). Every other key is ignored: upstream rows
+  carry dataset columns (``messages``, ``query``, ``response``, ``tag``, ``user_data``,
+  ``question``, ``answer``, ``prompt``, ``length``, ``position_ids``, ``token_type_ids``, ...).
+  A loss-input array as long as input_ids is aligned like the targets (``[1:]`` for hf); anything
+  else is passed through for the backend to validate. ``advantages`` (per token, or one scalar
+  per sequence broadcast) is zeroed where the label is -100, since the RL losses take no
+  ``weights`` (``dro``'s quadratic penalty is not masked: it covers every position).
   A dict whose ``input_ids`` is a list of lists is a batch (one datum per row; the keys above
   indexed by row).
 
@@ -54,6 +55,8 @@ LABEL_FORMATS = ("rolled", "hf")
 #: the row keys that are read; every other key of a row is ignored (see the module doc)
 ROW_KEYS = ("input_ids", "labels", "attention_mask")
 ROW_LOSS_INPUTS = ("logprobs", "advantages", "ref_logprobs")
+#: a VL model's images in upstream's rows, already processed (input_ids hold their image tokens)
+ROW_IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
 
 
 @dataclass
@@ -165,6 +168,9 @@ def row_to_datum(
         if key == "advantages" and arr.shape == weights.shape:
             arr = arr * weights  # -100 labels: no policy-gradient term there either
         lfi[key] = arr
+    for key in ROW_IMAGE_INPUTS:  # whole-row arrays, checked against the tokens by the backend
+        if item.get(key) is not None:
+            lfi[key] = as_array(item[key], f"{field}.{key}")
     return DatumInput(tokens=tokens.tolist(), loss_fn_inputs=lfi), src, full_len
 
 

@@ -103,8 +103,8 @@ def loss_config(
     config = {k: v for k, v in config.items() if k not in LOCAL_LOSS_KEYS}
     if float(local.get("reference_free", 0.0)):  # DPO against a uniform reference: log p = 0
         data = [
-            DatumInput(
-                tokens=d.tokens,
+            replace(
+                d,
                 loss_fn_inputs={
                     **d.loss_fn_inputs,
                     "ref_logprobs": np.zeros(len(d.tokens), dtype=np.float32),
@@ -158,7 +158,7 @@ def upstream_scaling(
             value = np.ones(np.shape(t) if t is not None else (len(d.tokens),), np.float32)
         if value is not None:
             x = {**x, key: np.asarray(value, dtype=np.float64) * c}
-        out.append(DatumInput(tokens=d.tokens, loss_fn_inputs=x))
+        out.append(replace(d, loss_fn_inputs=x))  # images and the rest kept
     return config, replace(batch, data=out), scales
 
 

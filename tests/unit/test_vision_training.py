@@ -257,3 +257,36 @@ def test_a_text_model_refuses_images(tiny_model_dir):
     )
     with pytest.raises(UserInputError, match="model_input.chunks: image chunks: this base model"):
         text_be.forward_backward("t", ForwardBackwardInput([d]))
+
+
+def test_upstream_rows_with_pixel_values_through_the_native_model(tiny_vl_model_dir):
+    """Upstream Twinkle's multi-modal rows (input_ids with the image tokens expanded, rolled
+    labels, ``pixel_values`` / ``image_grid_thw`` as JSON lists, as its client sends them) give
+    the loss of the same data as a Tinker image chunk."""
+    from engine.local.model import MultiLoraTransformersModel
+
+    tok = _tok(tiny_vl_model_dir)
+    m = MultiLoraTransformersModel(tiny_vl_model_dir)
+    m.add_adapter_to_model("default", {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    d = image_datum(tok, "OCR", png("42"), "42")
+    assert m.backend.vision is not None
+    ids, vis = m.backend.vision.expand(d.tokens, d.images, "x")
+    w = d.loss_fn_inputs["weights"]
+    labels = np.where(w > 0, d.loss_fn_inputs["target_tokens"], -100)
+    row = {
+        "input_ids": ids,
+        "labels": labels.tolist(),
+        "attention_mask": [1] * len(ids),
+        "pixel_values": vis.pixel_values.tolist(),
+        "image_grid_thw": vis.grid_thw.tolist(),
+        "messages": [{"role": "user", "content": "<image>OCR"}],
+    }
+    ours = m.forward_only([row])
+    # a fresh adapter (B = 0) computes what the new "default" does: the same loss for the chunk
+    m.backend.create_adapter("ref", LoraSpec(rank=4))
+    ref = m.backend.forward_backward("ref", ForwardBackwardInput([d], forward_only=True))
+    assert ours["loss_sum"] == pytest.approx(ref.metrics["loss:sum"], abs=1e-5)
+    assert ours["loss_sum"] > 0
+    # and it trains
+    out = m.forward_backward([row])
+    assert out["loss"] > 0
