@@ -290,3 +290,47 @@ def test_upstream_rows_with_pixel_values_through_the_native_model(tiny_vl_model_
     # and it trains
     out = m.forward_backward([row])
     assert out["loss"] > 0
+
+
+def test_a_vl_adapter_exports_in_peft_format_and_loads_with_peft(
+    be, tiny_vl_model_dir, tmp_path
+):
+    """The saved adapter loads with ``peft`` on transformers' own VL model and gives our
+    logprobs on an image row (the vision tower untouched, LoRA on the language model)."""
+    import json
+    import warnings
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from engine.protocol import AdamParams
+
+    tok = _tok(tiny_vl_model_dir)
+    be.create_adapter("peft", LoraSpec(rank=8, seed=5))
+    data = [image_datum(tok, "OCR", png("5+5"), "5+5"), image_datum(tok, "OCR", png("ab"), "ab")]
+    for _ in range(3):
+        be.forward_backward("peft", ForwardBackwardInput(data))
+        be.optim_step("peft", AdamParams(learning_rate=0.02))
+    ours = be.forward_backward("peft", ForwardBackwardInput(data[:1], forward_only=True))
+    be.save_state("peft", str(tmp_path / "ckpt"), include_optimizer=False)
+    cfg = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
+    assert not any("visual" in m for m in cfg["target_modules"])
+    base = AutoModelForImageTextToText.from_pretrained(str(tiny_vl_model_dir)).float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tied lm_head warning
+        pm = PeftModel.from_pretrained(base, str(tmp_path / "ckpt")).eval()
+    assert be.vision is not None
+    ids, vis = be.vision.expand(data[0].tokens, data[0].images, "x")
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = pm(
+            input_ids=x,
+            pixel_values=torch.from_numpy(vis.pixel_values),
+            image_grid_thw=torch.from_numpy(vis.grid_thw),
+            mm_token_type_ids=(x == be.vision.image_token_id).long(),
+        ).logits[0]
+    tgt = torch.from_numpy(data[0].loss_fn_inputs["target_tokens"])
+    theirs = torch.log_softmax(logits.double(), -1).gather(-1, tgt[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(ours.outputs[0]["logprobs"], theirs, atol=1e-4)
+    be.delete_adapter("peft")
