@@ -47,6 +47,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "config.json",
     "generation_config.json",
+    "preprocessor_config.json",  # a VL model's image processor: clients size image chunks by it
 )
 
 

@@ -42,6 +42,7 @@ def test_shipped_configs_are_valid() -> None:
     assert (mc.params_dtype, mc.worker_num_gpus) == ("bfloat16", 1)
     tf = ServerConfig.from_yaml(SERVERS / "transformer" / "server_config.yaml")
     assert (tf.port, tf.models[0].backend, tf.models[0].name) == (8000, "transformers", MG_NAME)
+    assert tf.models[1].name == "twinkle/tiny-vl"  # tinker/self_host/multi_modal.py's model
 
 
 def _plain_env(**extra: str) -> dict[str, str]:
@@ -131,6 +132,11 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
             sampled, _ = _script("tinker/self_host/sample.py", "--max-tokens", "8", cwd=work)
             assert sampled["model_path"] == res["sampler_path"]
             assert len(sampled["samples"]) == 2
+
+            if backend == "transformer":  # the megatron config serves no VL model
+                res, err = _script("tinker/self_host/multi_modal.py", "--max-steps", "3", cwd=work)
+                assert len(res["losses"]) == 3 and res["losses"][-1] < res["losses"][0]
+                assert len(res["read"]) == 8 and "step 3/3" in err
 
             res, _ = _script(
                 "tinker/self_host/dpo.py", "--max-steps", "4", "--pairs-per-step", "8", cwd=work

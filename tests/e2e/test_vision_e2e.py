@@ -172,3 +172,33 @@ def test_an_image_sent_to_a_text_model_is_refused(server, api_key):
         tc.forward_backward([d], "cross_entropy").result()
     assert "this base model is text-only" in str(exc.value)
     sc.close("success")
+
+
+def test_cookbook_multi_modal_script(vl_server):
+    """cookbook/client/tinker/self_host/multi_modal.py against the VL server: it sizes its image
+    chunks from the server's preprocessor config, trains, and reads images back."""
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "cookbook/client/tinker/self_host/multi_modal.py"
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
+        "TWINKLE_SERVER_URL": vl_server.url,
+        "TWINKLE_SERVER_TOKEN": vl_server.create_key("cookbook-vl"),
+        "TINKER_TELEMETRY": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, str(script), "--max-steps", "60"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["losses"][29] < 0.5 * res["losses"][0], res["losses"]
+    assert res["correct"] >= 2, res["read"]
+    assert "step 60/60" in out.stderr
