@@ -29,6 +29,7 @@ import uuid
 import weakref
 from datetime import datetime
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -296,6 +297,20 @@ class TwinkleClient:
             path = self.get_checkpoint_twinkle_path(run_id, checkpoint_id)
         self.request("DELETE", self._mgmt("checkpoint"), params={"path": path})
         return t.DeleteCheckpointResponse(success=True, message=f"deleted {path}")
+
+    def publish_checkpoint(self, twinkle_path: str) -> t.Checkpoint:
+        """Make one of your checkpoints (a ``twinkle://`` path or a `SaveResponse`) readable by
+        every user of the server: they can load it, sample from it and look it up by path.
+        Returns it, now ``public``. Not upstream Twinkle's: this server's, through the endpoint
+        the Tinker SDK's ``RestClient.publish_checkpoint_from_tinker_path`` calls."""
+        path = str(getattr(twinkle_path, "twinkle_path", twinkle_path))
+        rest = path.removeprefix("twinkle://").removeprefix("tinker://")
+        run_id, _, checkpoint_id = rest.partition("/")
+        if rest == path or not run_id or not checkpoint_id:
+            raise InvalidRequestError(f"twinkle_path: {path!r} is not a twinkle:// checkpoint path")
+        run = quote(run_id, safe=":")
+        self.request("POST", f"training_runs/{run}/checkpoints/{checkpoint_id}/publish")
+        return self.get_checkpoint(path)
 
     def get_latest_checkpoint_path(self, run_id: str) -> str | None:
         """The newest training checkpoint's ``twinkle://`` path (checkpoints live on the server:

@@ -40,9 +40,12 @@ class Server:
         return out.stdout.strip().splitlines()[-1]
 
 
-def start_server(data_dir: Path, config: Path | None = None) -> tuple[Server, object]:
+def start_server(
+    data_dir: Path, config: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[Server, object]:
     """A `twinkle serve` subprocess on a free port with ``data_dir``, ready (healthz 200);
-    returns it and its open log file. Stop it with `stop_server`."""
+    returns it and its open log file. ``env``: extra variables for the server and for the
+    `Server`'s CLI calls (e.g. ``TWINKLE_DATABASE_URL``). Stop it with `stop_server`."""
     port = _free_port()
     env = dict(
         os.environ,
@@ -50,6 +53,7 @@ def start_server(data_dir: Path, config: Path | None = None) -> tuple[Server, ob
         TINKER_TELEMETRY="0",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
+        **(env or {}),
     )
     log = open(data_dir / "serve.log", "w")  # noqa: SIM115 (the server writes it until teardown)
     cmd = [TWINKLE, "serve", "--host", "127.0.0.1", "--port", str(port)]

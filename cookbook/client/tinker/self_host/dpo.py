@@ -87,7 +87,7 @@ def main(max_steps: int, pairs_per_step: int, lr: float, beta: float, sft_weight
             flush=True,
         )
     state = training.save_state("dpo-final").result().path
-    service.close("success")
+    service.close("success").result()  # the SDK closes asynchronously: finish before exiting
     return {
         "losses": [h["loss"] for h in history],
         "margins": [h["margin"] for h in history],

@@ -128,7 +128,7 @@ def main(max_steps: int, lr: float, rank: int) -> dict:
         got = tok.decode(f.result().sequences[0].tokens, skip_special_tokens=True).strip()
         read.append({"image": r["image"], "text": r["text"], "read": got})
         print(f"{r['image']}: {r['text']!r} read as {got!r}", file=sys.stderr)
-    service.close("success")
+    service.close("success").result()  # the SDK closes asynchronously: finish before exiting
     correct = sum(x["read"] == x["text"] for x in read)
     return {
         "losses": losses,

@@ -62,7 +62,7 @@ def main(model_path: str | None, samples: int, max_tokens: int) -> dict:
         mean_lp = sum(seq.logprobs or [0.0]) / max(len(seq.logprobs or []), 1)
         print(f"{i}: {reply!r}  (mean logprob {mean_lp:.3f})", flush=True)
         out.append(reply)
-    service.close("success")
+    service.close("success").result()  # the SDK closes asynchronously: finish before exiting
     return {"model_path": model_path, "samples": out}
 
 

@@ -99,7 +99,7 @@ def main(max_steps: int, batch_size: int, lr: float) -> dict:
         sampling_params=types.SamplingParams(max_tokens=24, temperature=0.2, seed=0),
     ).result()
     samples = [tok.decode(s.tokens, skip_special_tokens=True) for s in res.sequences]
-    service.close("success")
+    service.close("success").result()  # the SDK closes asynchronously: finish before exiting
     return {"losses": losses, "state": state, "sampler_path": sampler_path, "samples": samples}
 
 

@@ -79,7 +79,7 @@ def main() -> None:
     ).result()
     for i, seq in enumerate(result.sequences):
         print(f"sample {i}: {tok.decode(seq.tokens)!r}  (stop: {seq.stop_reason})")
-    service.close("success")
+    service.close("success").result()  # the SDK closes asynchronously: finish before exiting
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from _bootstrap import ensure_venv  # noqa: E402  (cookbook/client, put on sys.p
 
 ensure_venv(__file__, ("twinkle_client",), install=False)  # a plain `python` in the repo: .venv
 
-from twinkle_client import init_twinkle_client  # noqa: E402
+from twinkle_client import TwinkleClient, init_twinkle_client  # noqa: E402
 from twinkle_client.dataset import Dataset, DatasetMeta  # noqa: E402
 from twinkle_client.model import MultiLoraTransformersModel  # noqa: E402
 
@@ -52,8 +52,13 @@ def encoded_pairs() -> list[dict]:
         return [dict(row) for row in ds]
 
 
-def main(max_steps: int, pairs_per_step: int, lr: float, beta: float) -> dict:
-    client = init_twinkle_client()
+def main(
+    max_steps: int, pairs_per_step: int, lr: float, beta: float, client: TwinkleClient | None = None
+) -> dict:
+    """Train and save. ``client``: the current client (made by `init_twinkle_client`, which the
+    model and the data use) to use and leave open; default: a new one, closed at the end."""
+    own = client is None
+    client = client or init_twinkle_client()
     rows = encoded_pairs()
     model = MultiLoraTransformersModel(model_id=MODEL_ID)
     lora = {"r": 8, "lora_alpha": 32, "target_modules": "all-linear"}
@@ -82,7 +87,8 @@ def main(max_steps: int, pairs_per_step: int, lr: float, beta: float) -> dict:
             flush=True,
         )
     saved = model.save(name="dpo-final", save_optimizer=True)
-    client.close()
+    if own:
+        client.close()
     return {"losses": losses, "margins": margins, "checkpoint": saved.twinkle_path}
 
 

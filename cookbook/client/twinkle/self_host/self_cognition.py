@@ -26,7 +26,7 @@ from _bootstrap import ensure_venv  # noqa: E402  (cookbook/client, put on sys.p
 
 ensure_venv(__file__, ("twinkle_client",), install=False)  # a plain `python` in the repo: .venv
 
-from twinkle_client import init_twinkle_client  # noqa: E402
+from twinkle_client import TwinkleClient, init_twinkle_client  # noqa: E402
 from twinkle_client.dataloader import DataLoader  # noqa: E402
 from twinkle_client.dataset import Dataset, DatasetMeta  # noqa: E402
 from twinkle_client.model import MultiLoraTransformersModel  # noqa: E402
@@ -35,8 +35,12 @@ MODEL_ID = os.environ.get("TWINKLE_MODEL_ID", "twinkle/tiny-chat")
 DATA = Path(__file__).with_name("self_cognition.jsonl")
 
 
-def main(max_steps: int, resume: str | None) -> dict:
-    client = init_twinkle_client()  # TWINKLE_SERVER_URL / _TOKEN, or the local quick start
+def main(max_steps: int, resume: str | None, client: TwinkleClient | None = None) -> dict:
+    """Train and save. ``client``: the current client (made by `init_twinkle_client`, which the
+    model and the data use) to use and leave open; default: a new one, closed at the end."""
+    own = client is None
+    # TWINKLE_SERVER_URL / _TOKEN, or the local quick start
+    client = client or init_twinkle_client()
     models = [m.model_name for m in client.get_server_capabilities().supported_models]
     assert MODEL_ID in models, f"{MODEL_ID} is not served; served: {models}"
 
@@ -79,7 +83,8 @@ def main(max_steps: int, resume: str | None) -> dict:
         save_optimizer=True,
         consumed_train_samples=loader.get_state()["consumed_train_samples"],
     )
-    client.close()
+    if own:
+        client.close()
     return {"losses": losses, "checkpoint": saved.twinkle_path, "metrics": metrics}
 
 
