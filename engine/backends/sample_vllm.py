@@ -49,7 +49,13 @@ from engine.backends.adapter_cache import AdapterDirCache
 from engine.backends.base import SamplingBackend, TokenListener
 from engine.backends.lora import ADAPTER_WEIGHTS_NAME, read_adapter_config
 from engine.backends.sample_checks import validate_sample_input
-from engine.errors import BackendError, CheckpointError, ConfigError, EngineError
+from engine.errors import (
+    BackendError,
+    CheckpointError,
+    ConfigError,
+    EngineError,
+    UserInputError,
+)
 from engine.protocol import SampledSequence, SampleInput, SampleOutput
 
 #: ranks vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py, MaxLoRARanks)
@@ -288,6 +294,11 @@ class VllmSamplingBackend(SamplingBackend):
                     validate_sample_input(
                         inp, vocab_size=self.vocab_size, max_positions=self.max_positions
                     )
+                    if inp.prompt_images:  # never dropped silently
+                        raise UserInputError(
+                            "prompt.chunks: image chunks are not supported by the vLLM sampler "
+                            "yet; a VL model samples images with sampler_type: torch"
+                        )
                     lora = (
                         self._lora_request(inp.adapter_dir) if inp.adapter_dir else self._base_lora
                     )

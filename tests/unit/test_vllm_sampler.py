@@ -36,7 +36,7 @@ from engine.backends.lora import (
     lora_routing,
 )
 from engine.errors import CheckpointError, EngineError, UserInputError
-from engine.protocol import LoraSpec, SampleInput, SampleOutput, SamplingParams
+from engine.protocol import ImagePart, LoraSpec, SampleInput, SampleOutput, SamplingParams
 from tests.factories import random_adapter
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -365,3 +365,11 @@ def test_sampler_service_builds_the_vllm_backend_from_config(vllm_sampler, model
         sampler.backend.close()  # the Sampler leaves its backend to the caller
     for inp, out in zip(inputs, outs, strict=True):
         assert out.sequences[0].tokens == ref.greedy(inp.prompt_tokens, None, 8)[0]
+
+
+def test_image_prompts_are_refused_never_dropped(vllm_sampler) -> None:
+    """The vLLM sampler has no multimodal path yet: an image prompt fails alone, naming why."""
+    img = SampleInput([1, 2, 3], prompt_images=[ImagePart(b"\x89PNG", "png", 1, chunk_index=1)])
+    out = vllm_sampler.sample_many([img, SampleInput([1, 2, 3])])
+    assert isinstance(out[0], UserInputError) and "not supported by the vLLM sampler" in str(out[0])
+    assert isinstance(out[1], SampleOutput)
