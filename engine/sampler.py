@@ -221,9 +221,10 @@ class Sampler:
     # ==========================================================================================
     # Text helpers for the gateway's OpenAI-compatible API (gateway/openai_api/). The tokenizer
     # lives with the model, so the gateway never imports transformers. This block only reads
-    # ``self.backend.tokenizer``. Tokenizing is cheap and keeps no state, so these run on the event
-    # loop, never queued behind a generation on the sampling thread. Text is decoded without
-    # special tokens and without clean-up of tokenization spaces.
+    # ``self.backend.tokenizer`` (and a VL backend's ``image_token_id()``). Tokenizing is cheap
+    # and keeps no state, so these run on the event loop, never queued behind a generation on the
+    # sampling thread. Text is decoded without special tokens and without clean-up of
+    # tokenization spaces.
     # ==========================================================================================
 
     async def _text_tokenizer(self):
@@ -277,6 +278,42 @@ class Sampler:
             raise UserInputError("messages: the chat template did not render to text")
         # the template writes any BOS itself; adding special tokens again would double it
         return [int(t) for t in tok.encode(text, add_special_tokens=False)]
+
+    async def encode_chat_images(
+        self, messages: list[dict], image_fields: list[str], add_generation_prompt: bool = True
+    ) -> tuple[list[int], list[int]]:
+        """`encode_chat` of messages whose content lists hold ``{"type": "image"}`` parts, one per
+        name in ``image_fields`` (the client's field of each image, in order; errors name them).
+        Returns the text token ids and each image's position in them (`ImagePart.position`): the
+        chat template renders an image as one image token (Qwen2-VL:
+        ``<|vision_start|><|image_pad|><|vision_end|>``), which is taken out here; sampling puts
+        the image's real tokens back there (engine/backends/vision.py). A text model (no image
+        token: a backend without ``image_token_id``, or it returns None) is a `UserInputError`
+        naming the first image, before its template sees the parts."""
+        from engine.errors import UserInputError
+
+        get = getattr(self.backend, "image_token_id", None)
+        image_token = get() if callable(get) else None
+        where = image_fields[0] if image_fields else "messages"
+        if image_token is None:
+            raise UserInputError(
+                f"{where}: model {self.model.name!r} is text-only; images need a "
+                "vision-language model"
+            )
+        tokens = await self.encode_chat(messages, add_generation_prompt)
+        text: list[int] = []
+        positions: list[int] = []
+        for t in tokens:
+            if t == image_token:
+                positions.append(len(text))
+            else:
+                text.append(t)
+        if len(positions) != len(image_fields):
+            raise UserInputError(
+                f"messages: the chat template rendered {len(positions)} image tokens for "
+                f"{len(image_fields)} images (is the image token typed in a text part?)"
+            )
+        return text, positions
 
     async def encode_text(self, text: str) -> list[int]:
         """Token ids of a plain prompt (with the tokenizer's usual special tokens, e.g. BOS)."""

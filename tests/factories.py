@@ -1,6 +1,8 @@
 """Shared test data: random training datums (engine `DatumInput` / `ForwardBackwardInput` and Tinker
 `types.Datum`) and random LoRA adapters saved as PEFT checkpoints.
 
+Also generated images (`png`) for the vision-language tests.
+
 Each datum draws its tokens (``length + 1`` ids: inputs and next-token targets) and then, when
 ``weights`` is a range, its weights from the generator, so a seed gives the same data everywhere.
 """
@@ -128,3 +130,17 @@ def trained_adapter(model_dir: Path, token_ids: list[list[int]], out: Path, step
         be.optim_step("t", AdamParams(learning_rate=5e-3, grad_clip_norm=1.0))
     be.save_state("t", str(out), include_optimizer=False)
     return out
+
+
+def png(text: str, size: tuple[int, int] = (56, 56), fmt: str = "PNG") -> bytes:
+    """A generated OCR-style image: ``text`` drawn black on white, encoded as ``fmt`` (56x56: 4
+    image tokens on the tiny VL model)."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", size, "white")
+    ImageDraw.Draw(img).text((4, size[1] // 3), text, fill="black")
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()

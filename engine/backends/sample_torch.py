@@ -111,6 +111,12 @@ class TorchSamplingBackend(SamplingBackend):
         """Adapter directories currently loaded, least recently used first."""
         return self._cache.dirs()
 
+    def image_token_id(self) -> int | None:
+        """A VL model's image token (the one a chat template renders per image part, e.g.
+        Qwen2-VL's ``<|image_pad|>``); None for a text model. The Sampler's `encode_chat_images`
+        uses it; `Vision.expand` puts each image's real tokens back when sampling."""
+        return None if self.vision is None else self.vision.image_token_id
+
     # ------------------------------------------------------------------------------- validation
 
     def _validate(self, inp: SampleInput) -> None:

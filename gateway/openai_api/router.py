@@ -6,10 +6,20 @@ the caller may read (their own, or a published one); ``"<base>;<path>"`` is acce
 engine's Sampler does the tokenizing (chat template), sampling and detokenizing; this module maps
 OpenAI's parameters onto an engine `SampleInput` and renders the results (`responses`). Each
 request holds one slot of the caller's concurrent-sampling limit (`gateway.quotas.concurrency`).
+
+Images (VL models): chat messages may hold ``image_url`` parts whose ``url`` is a
+``data:image/png|jpeg;base64,…`` URL (``detail`` is ignored); nothing is ever fetched, so other
+URLs are a 400. The gateway only base64-decodes them and checks the caps (`gateway.images`, 413);
+the chat template renders each as an ``{"type": "image"}`` part, the Sampler's
+`encode_chat_images` gives the text tokens and each image's position, and the engine decodes and
+expands the images when it samples (its errors come back naming ``messages[i].content[k]``). An
+image counts as one prompt token in metering and ``usage`` (its real token count is known only
+inside the engine).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import cast
@@ -19,12 +29,18 @@ from fastapi.responses import StreamingResponse
 from sqlmodel import col, or_, select
 
 from engine.errors import UserInputError
-from engine.protocol import SampleInput, SamplingParams
+from engine.protocol import ImagePart, SampleInput, SamplingParams
 from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.openai_api import responses, streaming
 from gateway.openai_api.admission import admitted
+from gateway.openai_api.chat_images import (
+    ChatImage,
+    check_image_caps,
+    message_dict,
+    rename_image_fields,
+)
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from gateway.quotas.concurrency import SamplingLimiterDep
 from gateway.runs.checkpoints import readable_checkpoint
@@ -148,9 +164,13 @@ def _max_tokens(explicit: int | None, default: int, prompt_len: int, config, bas
     return max(1, min(default, ctx - prompt_len)) if ctx else default
 
 
-def _as_invalid(exc: UserInputError, prompt_field: str) -> InvalidRequestError:
-    """An engine validation error, with OpenAI's field names instead of the engine's."""
-    msg = str(exc).replace("sampling_params.", "").replace("num_samples", "n")
+def _as_invalid(
+    exc: UserInputError, prompt_field: str, image_fields: Sequence[str] = ()
+) -> InvalidRequestError:
+    """An engine validation error, with OpenAI's field names instead of the engine's
+    (``image_fields[j]``: the message part of image j)."""
+    msg = rename_image_fields(str(exc), image_fields)
+    msg = msg.replace("sampling_params.", "").replace("num_samples", "n")
     if msg.startswith(("prompt:", "prompt ")):
         msg = prompt_field + msg[len("prompt") :]
     return InvalidRequestError(msg)
@@ -162,14 +182,24 @@ def _check_unsupported(req) -> None:
         raise InvalidRequestError(f"{'; '.join(bad)}: not supported by this server")
 
 
-def _sample_input(target: Target, prompt: list[int], n: int, params: SamplingParams) -> SampleInput:
+def _sample_input(
+    target: Target,
+    prompt: list[int],
+    n: int,
+    params: SamplingParams,
+    images: Sequence[ImagePart] = (),
+) -> SampleInput:
     return SampleInput(
-        prompt_tokens=prompt, num_samples=n, params=params, adapter_dir=target.adapter_dir
+        prompt_tokens=prompt,
+        num_samples=n,
+        params=params,
+        adapter_dir=target.adapter_dir,
+        prompt_images=list(images),
     )
 
 
-def _engine_error(exc, field: str) -> Exception:
-    return _as_invalid(exc, field) if isinstance(exc, UserInputError) else exc
+def _engine_error(exc, field: str, image_fields: Sequence[str] = ()) -> Exception:
+    return _as_invalid(exc, field, image_fields) if isinstance(exc, UserInputError) else exc
 
 
 async def _sample(
@@ -181,18 +211,26 @@ async def _sample(
     stops: list[str],
     first_index: int,
     prompt_field: str,
+    images: Sequence[ImagePart] = (),
+    image_fields: Sequence[str] = (),
 ) -> list[responses.Choice]:
-    inp = _sample_input(target, prompt, n, params)
-    return await _run(engine, target, inp, stops, first_index, prompt_field)
+    inp = _sample_input(target, prompt, n, params, images)
+    return await _run(engine, target, inp, stops, first_index, prompt_field, image_fields)
 
 
 async def _run(
-    engine, target: Target, inp: SampleInput, stops: list[str], first_index: int, field: str
+    engine,
+    target: Target,
+    inp: SampleInput,
+    stops: list[str],
+    first_index: int,
+    field: str,
+    image_fields: Sequence[str] = (),
 ) -> list[responses.Choice]:
     try:
         out = await engine.sampler(target.base_model, "sample", inp, affinity=target.adapter_dir)
     except UserInputError as exc:
-        raise _as_invalid(exc, field) from None
+        raise _as_invalid(exc, field, image_fields) from None
     choices = []
     for j, seq in enumerate(out.sequences):
         pieces = await engine.sampler(target.base_model, "decode_pieces", list(seq.tokens))
@@ -201,23 +239,24 @@ async def _run(
     return choices
 
 
-def _message_dict(i: int, m) -> dict:
-    content = m.content
-    if isinstance(content, list):
-        texts = []
-        for k, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise InvalidRequestError(
-                    f"messages[{i}].content[{k}]: only text parts are supported, got {part.type!r}"
-                )
-            texts.append(part.text)
-        content = "".join(texts)
-    if content is None:
-        raise InvalidRequestError(f"messages[{i}].content: must be a string or text parts")
-    out = {"role": m.role, "content": content}
-    if m.name:
-        out["name"] = m.name
-    return out
+async def _encode_chat(
+    engine, target: Target, messages: list[dict], images: list[ChatImage]
+) -> tuple[list[int], list[ImagePart]]:
+    """The prompt's text tokens (the Sampler's chat template) and its images placed in them."""
+    fields = [img.field for img in images]
+    try:
+        if not images:
+            return await engine.sampler(target.base_model, "encode_chat", messages), []
+        text, positions = await engine.sampler(
+            target.base_model, "encode_chat_images", messages, fields
+        )
+    except UserInputError as exc:
+        raise _as_invalid(exc, "messages", fields) from None
+    parts = [
+        ImagePart(img.data, img.format, int(pos), None, chunk_index=j)
+        for j, (img, pos) in enumerate(zip(images, positions, strict=True))
+    ]
+    return text, parts
 
 
 @router.post("/chat/completions")
@@ -233,40 +272,45 @@ async def chat_completions(
     """A chat completion (or its SSE stream) from a base model or one of your checkpoints."""
     _check_unsupported(req)
     stops = req.stop_strings()
-    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    converted = [message_dict(i, m) for i, m in enumerate(req.messages)]
+    messages = [msg for msg, _ in converted]
+    images = [img for _, imgs in converted for img in imgs]
     target = resolve_model(db, who, engine, req.model)
+    if images:
+        check_image_caps(config.model(target.base_model), images)
+    fields = [img.field for img in images]
     async with admitted(request, who, db, limiter) as adm:
-        try:
-            prompt = await engine.sampler(target.base_model, "encode_chat", messages)
-        except UserInputError as exc:
-            raise _as_invalid(exc, "messages") from None
+        prompt, parts = await _encode_chat(engine, target, messages, images)
+        n_prompt = len(prompt) + len(parts)  # an image counts as one token (module docstring)
         explicit = req.max_completion_tokens or req.max_tokens
         max_tokens = _max_tokens(
-            explicit, DEFAULT_CHAT_MAX_TOKENS, len(prompt), config, target.base_model
+            explicit, DEFAULT_CHAT_MAX_TOKENS, n_prompt, config, target.base_model
         )
         params = _params(req, max_tokens, stops)
-        await adm.meter(target.base_model, len(prompt), max_tokens * req.n)
+        await adm.meter(target.base_model, n_prompt, max_tokens * req.n)
         rid, created, logprobs = responses.new_id("chatcmpl"), responses.now(), bool(req.logprobs)
         if req.stream:
             events = await streaming.open_stream(
                 streaming.sample_events(
                     engine,
                     target.base_model,
-                    _sample_input(target, prompt, req.n, params),
+                    _sample_input(target, prompt, req.n, params, parts),
                     stops,
                     0,
                 ),
-                lambda exc: _engine_error(exc, "messages"),
+                lambda exc: _engine_error(exc, "messages", fields),
             )
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(
                 streaming.chat_sse(
-                    rid, req.model, created, req.n, events, len(prompt), logprobs, usage, adm.finish
+                    rid, req.model, created, req.n, events, n_prompt, logprobs, usage, adm.finish
                 )
             )
-        choices = await _sample(engine, target, prompt, req.n, params, stops, 0, "messages")
+        choices = await _sample(
+            engine, target, prompt, req.n, params, stops, 0, "messages", parts, fields
+        )
     await adm.finish(choices)
-    return responses.chat_completion(rid, req.model, created, choices, len(prompt), logprobs)
+    return responses.chat_completion(rid, req.model, created, choices, n_prompt, logprobs)
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:

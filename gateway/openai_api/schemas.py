@@ -26,14 +26,23 @@ class StreamOptions(_Req):
     include_usage: bool = False
 
 
-class TextPart(_Req):
+class ImageURL(_Req):
+    #: a ``data:image/png;base64,…`` / ``data:image/jpeg;base64,…`` URL (nothing is fetched)
+    url: str
+    detail: str | None = None  # OpenAI's low / high / auto: accepted and ignored
+
+
+class ContentPart(_Req):
+    """A part of a message's content: ``text`` (with ``text``) or ``image_url`` (VL models)."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Req):
     role: str = Field(min_length=1, max_length=64)
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 

@@ -2,7 +2,7 @@
 ``ImageChunk``s in forward_backward (protobuf) train a VL LoRA on the shipped OCR-style set
 (cookbook/client/data/ocr) until its loss halves, greedy sampling (asample JSON, base64 image)
 reads a trained image back, and bad images are refused naming the field while the server keeps
-serving."""
+serving; the `openai` SDK's chat completions take an image as a ``data:`` URL."""
 
 from __future__ import annotations
 
@@ -202,3 +202,48 @@ def test_cookbook_multi_modal_script(vl_server):
     assert res["losses"][29] < 0.5 * res["losses"][0], res["losses"]
     assert res["correct"] >= 2, res["read"]
     assert "step 60/60" in out.stderr
+
+
+def test_openai_chat_with_a_data_url_image(vl_server):
+    """The `openai` SDK on the VL model: an ``image_url`` part (a data: URL) answered whole and
+    streamed alike; a remote URL is a 400 naming the part, and the server keeps answering."""
+    import base64
+
+    import openai
+
+    client = openai.OpenAI(
+        base_url=vl_server.url + "/v1", api_key=vl_server.create_key("vl-openai"), max_retries=0
+    )
+    img, _ = rows()[0]
+
+    def messages(url: str) -> list:
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url, "detail": "auto"}},
+                    {"type": "text", "text": "Read the formula."},
+                ],
+            }
+        ]
+
+    good = messages("data:image/png;base64," + base64.b64encode(img).decode())
+    kw = {"model": VL, "messages": good, "max_tokens": 8, "temperature": 0}
+    whole = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**kw, stream=True)  # type: ignore[call-overload]
+        if c.choices
+    )
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert streamed == whole.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model=VL,
+            messages=messages("https://example.com/formula.png"),  # type: ignore[arg-type]
+            max_tokens=4,
+        )
+    assert "messages[0].content[0].image_url.url" in str(exc.value)
+    assert "fetches nothing" in str(exc.value)
+    again = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    assert again.choices[0].message.content == whole.choices[0].message.content

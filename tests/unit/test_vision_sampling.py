@@ -14,7 +14,7 @@ import torch
 from engine.backends.sample_torch import TorchSamplingBackend
 from engine.errors import UserInputError
 from engine.protocol import ImagePart, SampleInput, SamplingParams
-from tests.unit.test_vision_training import png
+from tests.factories import png
 
 pytest.importorskip("PIL")
 

@@ -15,20 +15,10 @@ import pytest
 from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import UserInputError
 from engine.protocol import DatumInput, ForwardBackwardInput, ImagePart, LoraSpec
+from tests.factories import png
 from tests.unit.training_backend_helpers import assert_logprobs_close
 
 PIL = pytest.importorskip("PIL")
-
-
-def png(text: str, size=(56, 56), fmt="PNG") -> bytes:
-    """A generated OCR-style image: ``text`` drawn black on white."""
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", size, "white")
-    ImageDraw.Draw(img).text((4, size[1] // 3), text, fill="black")
-    buf = io.BytesIO()
-    img.save(buf, format=fmt)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +131,7 @@ def test_image_chunk_and_preprocessed_pixels_give_the_same_loss(be, tiny_vl_mode
     be.delete_adapter("same")
 
 
-def test_mixed_batch_of_text_image_rows_and_two_adapters_equals_each_alone(
-    be, tiny_vl_model_dir
-):
+def test_mixed_batch_of_text_image_rows_and_two_adapters_equals_each_alone(be, tiny_vl_model_dir):
     tok = _tok(tiny_vl_model_dir)
     be.create_adapter("ta", LoraSpec(rank=4, seed=2))
     be.create_adapter("tb", LoraSpec(rank=8, seed=3))
@@ -292,9 +280,7 @@ def test_upstream_rows_with_pixel_values_through_the_native_model(tiny_vl_model_
     assert out["loss"] > 0
 
 
-def test_a_vl_adapter_exports_in_peft_format_and_loads_with_peft(
-    be, tiny_vl_model_dir, tmp_path
-):
+def test_a_vl_adapter_exports_in_peft_format_and_loads_with_peft(be, tiny_vl_model_dir, tmp_path):
     """The saved adapter loads with ``peft`` on transformers' own VL model and gives our
     logprobs on an image row (the vision tower untouched, LoRA on the language model)."""
     import json
