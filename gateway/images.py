@@ -1,6 +1,7 @@
 """Images at the gateway: the caps checked before any work (per base model, `ImageLimits` in the
 server config): images per request and encoded bytes per image → 413 naming the field, the cap
-and its config key; and reading a JSON image chunk (base64 ``data``). The gateway never decodes
+and its config key; reading a JSON image chunk (base64 ``data``) and a ``data:`` URL
+(the OpenAI API's and the native template's images). The gateway never decodes
 an image: pixels, formats and token counts are the engine's (engine/backends/vision.py)."""
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from collections.abc import Sequence
 from engine.config import ImageLimits
 from engine.protocol import ImagePart
 from gateway.errors import InvalidRequestError, PayloadTooLargeError
+
+#: data: URL media types → the engine's image formats
+_IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg"}
 
 
 def check_images(parts: Sequence[tuple[str, ImagePart]], limits: ImageLimits) -> None:
@@ -48,3 +52,29 @@ def json_image_chunk(chunk: dict, where: str) -> tuple[bytes, str, int | None]:
     ):
         raise InvalidRequestError(f"{where}.expected_tokens: must be an integer ≥ 1")
     return data, fmt, expected
+
+
+def data_url_image(url: str, where: str) -> tuple[bytes, str]:
+    """``(bytes, format)`` of a ``data:image/png|jpeg;base64,…`` URL; 400 naming ``where``."""
+    head, comma, payload = url.partition(",")
+    if head[:5].lower() != "data:":
+        raise InvalidRequestError(
+            f"{where}: only data: URLs are accepted: this server fetches nothing; send the "
+            "image inline as a data: URL (data:image/png;base64,...)"
+        )
+    media, *params = head[5:].split(";")
+    media = media.strip().lower()
+    fmt = _IMAGE_TYPES.get(media)
+    if fmt is None:
+        raise InvalidRequestError(
+            f"{where}: media type {media!r} is not supported; send image/png or image/jpeg"
+        )
+    if not comma or "base64" not in (p.strip().lower() for p in params):
+        raise InvalidRequestError(f"{where}: must be a base64 data: URL (data:{media};base64,...)")
+    try:
+        data = base64.b64decode(payload.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(f"{where}: the image data is not valid base64") from None
+    if not data:
+        raise InvalidRequestError(f"{where}: the image data is empty")
+    return data, fmt

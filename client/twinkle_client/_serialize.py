@@ -1,11 +1,14 @@
 """Turning the client's arguments into JSON: numpy arrays and tensors become lists, pydantic
 objects their dicts, a `peft.LoraConfig` (or a dict) the JSON string upstream's client sends,
 classes and instances their names (losses, optimizers, templates are chosen by name on the
-server). Callables cannot travel."""
+server), images (encoded bytes or a PIL image, e.g. in a message's ``images``) ``data:`` URLs.
+Callables cannot travel."""
 
 from __future__ import annotations
 
+import base64
 import enum
+import io
 import json
 import math
 from collections.abc import Mapping
@@ -56,6 +59,27 @@ def lora_config_json(config: Any) -> str | None:
     return json.dumps(data, ensure_ascii=False)
 
 
+_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
+
+
+def _is_pil_image(value: Any) -> bool:
+    return type(value).__module__.startswith("PIL.") and hasattr(value, "save")
+
+
+def image_data_url(image: Any) -> str:
+    """An image as the ``data:image/png|jpeg;base64,...`` URL the server takes: PNG or JPEG
+    bytes as they are, a PIL image encoded as PNG (no other formats: 400 here)."""
+    if _is_pil_image(image):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        image = buf.getvalue()
+    data = bytes(image)
+    media = next((m for magic, m in _MAGIC if data.startswith(magic)), None)
+    if media is None:
+        raise InvalidRequestError("image: send PNG or JPEG bytes (or a PIL image)")
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
 def to_wire(value: Any) -> Any:
     """JSON-ready copy of ``value`` (see module doc)."""
     if value is None or isinstance(value, (bool, int, str)):
@@ -69,6 +93,8 @@ def to_wire(value: Any) -> Any:
     if isinstance(value, (list, tuple, set, frozenset)):
         seq = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
         return [to_wire(v) for v in seq]
+    if isinstance(value, (bytes, bytearray)) or _is_pil_image(value):
+        return image_data_url(value)
     if hasattr(value, "model_dump"):  # pydantic objects (e.g. a forward_only response)
         return to_wire(value.model_dump())
     if hasattr(value, "detach"):  # torch.Tensor, without importing torch

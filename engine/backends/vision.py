@@ -20,7 +20,7 @@ images. Errors are `UserInputError`s naming the field.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +43,25 @@ class VisionInputs:
 
     pixel_values: np.ndarray
     grid_thw: np.ndarray
+
+
+def image_from_data_url(ref, where: str) -> tuple[bytes, str]:
+    """``(bytes, format)`` of a ``data:image/png|jpeg;base64,...`` URL (how images travel in
+    native rows); a `UserInputError` naming ``where`` otherwise."""
+    import base64
+    import binascii
+
+    if not isinstance(ref, str) or not ref[:5].lower() == "data:":
+        raise UserInputError(f"{where}: must be a data:image/png|jpeg;base64,... URL")
+    head, _, payload = ref.partition(",")
+    media = head[5:].split(";")[0].strip().lower()
+    fmt = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg"}.get(media)
+    if fmt is None or ";base64" not in head.lower():
+        raise UserInputError(f"{where}: must be a base64 data: URL of image/png or image/jpeg")
+    try:
+        return base64.b64decode(payload, validate=True), fmt
+    except (binascii.Error, ValueError):
+        raise UserInputError(f"{where}: the image data is not valid base64") from None
 
 
 def is_vision_model(model_dir: str | Path) -> bool:
@@ -161,6 +180,41 @@ class Vision:
                 f"model_input has {have} (token id {self.image_token_id})"
             )
         return VisionInputs(pv, grid)
+
+    def expand_row(self, row: Mapping, field: str) -> dict:
+        """A native row whose ``images`` (data: URLs, one per image token in ``input_ids``, as
+        the server's template renders ``<image>``) are processed here: each image token becomes
+        the image's tokens (label -100, attention 1) and the row gets ``pixel_values`` /
+        ``image_grid_thw`` (the pre-processed form, `preprocessed`)."""
+        refs = list(row.get("images") or [])
+        ids = [int(t) for t in row["input_ids"]]
+        marks = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(marks) != len(refs):
+            raise UserInputError(
+                f"{field}.images: {len(refs)} images for {len(marks)} image tokens "
+                f"({self.image_token_id}) in input_ids"
+            )
+        images = []
+        for k, ref in enumerate(refs):
+            data, fmt = image_from_data_url(ref, f"{field}.images[{k}]")
+            images.append(self.decode(ImagePart(data, fmt, 0), f"{field}.images[{k}]"))
+        vis = self.process(images)
+        counts = dict(zip(marks, (int(n) for n in self.tokens_for(vis.grid_thw)), strict=True))
+
+        def spread(values, fill):
+            out = []
+            for i, v in enumerate(values):
+                out += [fill if fill is not None else v] * counts[i] if i in counts else [v]
+            return out
+
+        new = {k: v for k, v in row.items() if k not in ("images", "position_ids")}
+        new["input_ids"] = spread(ids, None)
+        if row.get("labels") is not None:
+            new["labels"] = spread(list(row["labels"]), -100)
+        if row.get("attention_mask") is not None:
+            new["attention_mask"] = spread(list(row["attention_mask"]), 1)
+        new["pixel_values"], new["image_grid_thw"] = vis.pixel_values, vis.grid_thw
+        return new
 
     # -- a batch -----------------------------------------------------------------------------
     def batch_kwargs(

@@ -31,6 +31,7 @@ upstream's outputs: ``loss`` (InfoNCE, a mean over the groups; ``loss_sum`` the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,26 @@ def check_task(task: Any, loss: tuple[str, str, dict]) -> bool:
             f"task: {loss[0]!r} trains embeddings; pass task='embedding' (got {task!r})"
         )
     return embedding
+
+
+def with_images(backend: TrainingBackend, inputs: Any) -> Any:
+    """Rows carrying ``images`` (the server's template renders ``<image>`` as one image token
+    and keeps the image as a data: URL) processed by a VL backend into upstream's
+    pre-processed rows (`Vision.expand_row`); anything else unchanged. A text model's backend
+    refuses rows with images (as it refuses image chunks)."""
+    rows = [inputs] if isinstance(inputs, Mapping) else inputs
+    if not isinstance(rows, list) or not any(
+        isinstance(r, Mapping) and r.get("images") for r in rows
+    ):
+        return inputs
+    vision = getattr(backend, "vision", None)
+    if vision is None:
+        raise UserInputError("inputs: rows with images need a vision-language base model")
+    out = [
+        vision.expand_row(r, f"inputs[{i}]") if isinstance(r, Mapping) and r.get("images") else r
+        for i, r in enumerate(rows)
+    ]
+    return out[0] if isinstance(inputs, Mapping) else out
 
 
 def prepare(
@@ -234,7 +255,7 @@ def run_pass(
                 raise UserInputError(f"{key}: not used by task='embedding' (InfonceLoss)")
         batch = embedding_batch(inputs)
     else:
-        batch = prepare(inputs, **call)
+        batch = prepare(with_images(backend, inputs), **call)
     loss_fn, config, batch = loss_config(st.loss, loss_kwargs, batch)
     metrics = {"train": st.train_metrics, "eval": st.eval_metrics}.get(mode, [])
     for m in metrics:

@@ -40,6 +40,8 @@ class TrainerBackend(TrainingBackend):
         self.model_id, self.tenant = model_id, tenant
         self.vocab_size = trainer.backend.vocab_size
         self.max_lora_rank = trainer.backend.max_lora_rank
+        #: a VL model's image handling (rows with images are expanded on this thread); or None
+        self.vision = getattr(trainer.backend, "vision", None)
         self._next_seq: dict[str, int] = {}  # run id → next seq_id (present = created)
         self._specs: dict[str, LoraSpec] = {}
 

@@ -11,8 +11,6 @@ token counts are the engine's (engine/backends/vision.py).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,10 +18,8 @@ from dataclasses import dataclass
 from engine.config import ImageLimits
 from engine.protocol import ImagePart
 from gateway.errors import InvalidRequestError, PayloadTooLargeError
-from gateway.images import check_images
+from gateway.images import check_images, data_url_image
 
-#: data: URL media types → the engine's image formats
-_IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg"}
 #: an engine error's name of image j (`ImagePart.chunk_index` = j) and its data / format field
 _ENGINE_IMAGE = re.compile(r"prompt\.chunks\[(\d+)\](?:\.(?:data|format))?")
 
@@ -49,32 +45,6 @@ class ChatImage:
     field: str
     data: bytes
     format: str
-
-
-def data_url_image(url: str, where: str) -> tuple[bytes, str]:
-    """``(bytes, format)`` of a ``data:image/png|jpeg;base64,…`` URL; 400 naming ``where``."""
-    head, comma, payload = url.partition(",")
-    if head[:5].lower() != "data:":
-        raise InvalidRequestError(
-            f"{where}: only data: URLs are accepted: this server fetches nothing; send the "
-            "image inline as a data: URL (data:image/png;base64,...)"
-        )
-    media, *params = head[5:].split(";")
-    media = media.strip().lower()
-    fmt = _IMAGE_TYPES.get(media)
-    if fmt is None:
-        raise InvalidRequestError(
-            f"{where}: media type {media!r} is not supported; send image/png or image/jpeg"
-        )
-    if not comma or "base64" not in (p.strip().lower() for p in params):
-        raise InvalidRequestError(f"{where}: must be a base64 data: URL (data:{media};base64,...)")
-    try:
-        data = base64.b64decode(payload.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequestError(f"{where}: the image data is not valid base64") from None
-    if not data:
-        raise InvalidRequestError(f"{where}: the image data is empty")
-    return data, fmt
 
 
 def message_dict(i: int, m) -> tuple[dict, list[ChatImage]]:

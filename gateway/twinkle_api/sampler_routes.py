@@ -31,6 +31,7 @@ from engine.errors import EngineError
 from engine.protocol import SampleInput
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep
 from gateway.errors import InvalidRequestError, NotImplementedOnServerError
+from gateway.images import check_images
 from gateway.openai_api import streaming
 from gateway.quotas.concurrency import SamplingLimiterDep
 from gateway.quotas.metering import SampleMeter
@@ -141,6 +142,18 @@ async def sample(
     inputs = _inputs(req)
     sp, params, n, adapter_dir = _request_parts(req, db, who, name)
     prompts = [enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
+    # the engine's view: text tokens and the images at their places (VL models)
+    engine_prompts = [
+        enc.sample_input_parts(item, p, f"inputs[{i}]")
+        for i, (item, p) in enumerate(zip(inputs, prompts, strict=True))
+    ]
+    model_cfg = config.model(name)
+    if model_cfg is not None:
+        check_images(
+            [(f"inputs[{i}].images[{k}]", part) for i, (_, ps) in enumerate(engine_prompts)
+             for k, part in enumerate(ps)],
+            model_cfg.images,
+        )  # fmt: skip
     limits = limiter.quotas.limits(who, db)
     async with limiter.acquire(who, limits):
         # the sample token rate and the usage ledger, as for the Tinker and OpenAI routes
@@ -157,6 +170,7 @@ async def sample(
                         "sample",
                         SampleInput(
                             prompt_tokens=p,
+                            prompt_images=parts,
                             num_samples=n,
                             params=params,
                             prompt_logprobs=bool(sp.prompt_logprobs),
@@ -164,7 +178,7 @@ async def sample(
                         ),
                         affinity=adapter_dir,
                     )
-                    for p in prompts
+                    for p, parts in engine_prompts
                 )
             )
             sampled = sum(len(s.tokens) for out in outs for s in out.sequences)
@@ -226,8 +240,13 @@ async def sample_stream(
         meter = await SampleMeter.start(
             request.app.state, who, limits, name, len(prompt), params.max_tokens
         )
+        text, parts = enc.sample_input_parts(inputs[0], prompt, "inputs[0]")
         inp = SampleInput(
-            prompt_tokens=prompt, num_samples=1, params=params, adapter_dir=adapter_dir
+            prompt_tokens=text,
+            prompt_images=parts,
+            num_samples=1,
+            params=params,
+            adapter_dir=adapter_dir,
         )
         events = await streaming.open_stream(
             streaming.sample_events(engine, name, inp, params.stop_strings, 0),

@@ -40,7 +40,10 @@ async def encode(
     for i, item in enumerate(req.inputs):
         f = enc.encode(item, add_generation_prompt=req.add_generation_prompt, field=f"inputs[{i}]")
         labels = roll(f["labels"]) if req.label_format == "rolled" else f["labels"]
-        feats.append(feature(f["input_ids"], labels))
+        row = feature(f["input_ids"], labels)
+        if f.get("images"):  # a VL model's images, one per image token (engine expands them)
+            row["images"] = f["images"]
+        feats.append(row)
     return {"features": feats}
 
 

@@ -19,9 +19,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.protocol import ImagePart
 from gateway.errors import InvalidRequestError
+from gateway.images import data_url_image
 
 IGNORE_INDEX = -100
+#: upstream's image placeholder in message content (its Message carries the images)
+IMAGE_PLACEHOLDER = "<image>"
+#: how a Qwen2-VL-style chat template renders one image (the middle one is the image token)
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 #: accepted names (upstream Twinkle's class names and family aliases) → renderer
 TEMPLATES = {
     "Template": "chatml",
@@ -101,6 +107,9 @@ class ChatEncoder:
             )
         self.tok = tokenizer
         self.opts = dict(options or {})
+        #: a VL model's image tokens (Qwen2-VL's), or None for a text model
+        ids = [tokenizer.token_to_id(t) for t in VISION_TOKENS]
+        self.vision_ids: list[int] | None = None if None in ids else ids
 
     def _ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids if text else []
@@ -116,6 +125,20 @@ class ChatEncoder:
                 )
             if not isinstance(m.get("content"), str):
                 raise InvalidRequestError(f"{field}.messages[{j}].content: must be a string")
+            images = m.get("images") or []
+            if not isinstance(images, list):
+                raise InvalidRequestError(f"{field}.messages[{j}].images: must be a list")
+            n = m["content"].count(IMAGE_PLACEHOLDER)
+            if (n or images) and self.vision_ids is None:
+                raise InvalidRequestError(
+                    f"{field}.messages[{j}].images: this base model is text-only; images need a "
+                    "vision-language model"
+                )
+            if n != len(images):
+                raise InvalidRequestError(
+                    f"{field}.messages[{j}].images: {len(images)} images for {n} "
+                    f"{IMAGE_PLACEHOLDER} placeholders in its content"
+                )
         system = self.opts.get("default_system")
         if system and msgs[0].get("role") != "system":
             msgs = [{"role": "system", "content": str(system)}, *msgs]
@@ -131,14 +154,20 @@ class ChatEncoder:
         """``{"input_ids", "labels"}`` of one trajectory (trained: assistant content + end)."""
         ids: list[int] = []
         labels: list[int] = []
-        for m in self._messages(item, field):
+        images: list[str] = []
+        for j, m in enumerate(self._messages(item, field)):
             head = self._ids(f"<|im_start|>{m['role']}\n")
-            body = self._ids(m["content"]) + self._ids("<|im_end|>")
+            body = self._content_ids(m, f"{field}.messages[{j}]", images)
+            body += self._ids("<|im_end|>")
             tail = self._ids("\n")
             trained = m["role"] == "assistant"
             ids += head + body + tail
             labels += [IGNORE_INDEX] * len(head)
-            labels += body if trained else [IGNORE_INDEX] * len(body)
+            labels += (
+                [IGNORE_INDEX if t in (self.vision_ids or ()) else t for t in body]
+                if trained
+                else [IGNORE_INDEX] * len(body)
+            )
             labels += [IGNORE_INDEX] * len(tail)
         if add_generation_prompt:
             gen = self._ids("<|im_start|>assistant\n")
@@ -150,7 +179,29 @@ class ChatEncoder:
                 ids, labels = ids[-max_len:], labels[-max_len:]
             else:
                 ids, labels = ids[:max_len], labels[:max_len]
-        return {"input_ids": ids, "labels": labels}
+        out: dict[str, Any] = {"input_ids": ids, "labels": labels}
+        if images:  # data: URLs, one per image token in input_ids (engine/backends/vision.py)
+            out["images"] = images
+        return out
+
+    def _content_ids(self, m: Mapping[str, Any], where: str, images: list[str]) -> list[int]:
+        """A message's content tokens; each ``<image>`` becomes ``<|vision_start|><|image_pad|>
+        <|vision_end|>`` (one image token, expanded by the engine) and its image is appended to
+        ``images`` as a checked ``data:`` URL."""
+        pieces = m["content"].split(IMAGE_PLACEHOLDER)
+        out = self._ids(pieces[0])
+        for k, piece in enumerate(pieces[1:]):
+            ref = m["images"][k]
+            if not isinstance(ref, str):
+                raise InvalidRequestError(
+                    f"{where}.images[{k}]: must be a data:image/png|jpeg;base64 URL (the client "
+                    "sends images so)"
+                )
+            data_url_image(ref, f"{where}.images[{k}]")  # 400 here, not in the engine
+            images.append(ref)
+            assert self.vision_ids is not None
+            out += self.vision_ids + self._ids(piece)
+        return out
 
     def prompt_tokens(self, item: Mapping[str, Any], field: str) -> list[int]:
         """Tokens to sample from: an encoded feature's ``input_ids`` as is, or a trajectory with
@@ -170,6 +221,33 @@ class ChatEncoder:
                 "{'input_ids': [...]}"
             )
         return self.encode(item, add_generation_prompt=True, field=field)["input_ids"]
+
+    def sample_input_parts(
+        self, item: Mapping[str, Any], prompt: list[int], field: str
+    ) -> tuple[list[int], list[ImagePart]]:
+        """The engine's view of ``prompt`` (`prompt_tokens` of ``item``): the text tokens, and
+        one `ImagePart` per image token at its place (the item's ``images``, data: URLs, as
+        `encode` wrote them); a text prompt comes back as is, with no images."""
+        images = item.get("images")
+        if images is None and "messages" in item:
+            images = self.encode(item, add_generation_prompt=True, field=field).get("images")
+        images = images or []
+        image_id = self.vision_ids[1] if self.vision_ids is not None else None
+        marks = [i for i, t in enumerate(prompt) if t == image_id]
+        if len(marks) != len(images):
+            raise InvalidRequestError(
+                f"{field}.images: {len(images)} images for {len(marks)} image tokens in the prompt"
+            )
+        if not images:
+            return prompt, []
+        text = [t for t in prompt if t != image_id]
+        parts = []
+        for k, (pos, ref) in enumerate(zip(marks, images, strict=True)):
+            if not isinstance(ref, str):
+                raise InvalidRequestError(f"{field}.images[{k}]: must be a data: URL")
+            data, fmt = data_url_image(ref, f"{field}.images[{k}]")
+            parts.append(ImagePart(data, fmt, pos - k, chunk_index=k))
+        return text, parts
 
     def decode(self, tokens: list[int]) -> str:
         return self.tok.decode(tokens, skip_special_tokens=True)
