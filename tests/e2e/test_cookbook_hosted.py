@@ -38,6 +38,7 @@ BASE = "twinkle/tiny-chat"
 SCRIPTS = [
     "twinkle/modelscope/dpo.py",
     "twinkle/modelscope/self_cognition.py",
+    "twinkle/modelscope/multi_modal.py",
     "tinker/modelscope/dpo.py",
     "tinker/modelscope/sample.py",
     "tinker/modelscope/self_cognition.py",
@@ -181,7 +182,15 @@ def hosted(tmp_path_factory, redis_url, postgres_url):
                 "sampler_type": "torch",
                 "trainer": {"num_replicas": 1, "num_cpus": 0.25},
                 "sampler": {"num_replicas": 1, "num_cpus": 0.25},
-            }
+            },
+            {  # twinkle/modelscope/multi_modal.py's vision-language model
+                "name": "twinkle/tiny-vl",
+                "backend": "transformers",
+                "execution": "sequential",
+                "sampler_type": "torch",
+                "trainer": {"num_replicas": 1, "num_cpus": 0.25},
+                "sampler": {"num_replicas": 1, "num_cpus": 0.25},
+            },
         ],
         "gateway": {
             "num_replicas": 2,
@@ -264,6 +273,18 @@ def test_twinkle_self_cognition(hosted):
     seen = hosted.checkpoint_as(other, path)  # public: another user of the service reads it
     assert seen.status_code == 200 and seen.json()["public"] is True
     assert seen.json()["twinkle_path"] == path
+
+
+def test_twinkle_multi_modal(hosted):
+    owner, other = hosted.user("ms-native-vl"), hosted.user("ms-native-vl-reader")
+    r = hosted.ok("twinkle/modelscope/multi_modal.py", "--max-steps", "30", key=owner)
+    losses = r.out["losses"]
+    assert len(losses) == 30 and losses[-1] < 0.5 * losses[0]
+    assert len(r.out["read"]) == 8  # every image sampled back through the native sampler
+    path = r.out["checkpoint"]
+    assert path.startswith("twinkle://") and r.out["published"] == path
+    seen = hosted.checkpoint_as(other, path)
+    assert seen.status_code == 200 and seen.json()["public"] is True
 
 
 def test_twinkle_dpo(hosted):

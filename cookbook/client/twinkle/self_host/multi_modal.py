@@ -1,7 +1,7 @@
 """Vision-language LoRA SFT with the native client, then reading the images back by sampling.
 
-    python cookbook/client/server/transformer/server.py         # terminal 1 (serves twinkle/tiny-vl)
-    python cookbook/client/twinkle/self_host/multi_modal.py      # terminal 2, same directory
+    python cookbook/client/server/transformer/server.py      # terminal 1 (serves twinkle/tiny-vl)
+    python cookbook/client/twinkle/self_host/multi_modal.py   # terminal 2, same directory
 
 Upstream's twinkle/multi_modal.py (LaTeX OCR on Qwen3.5-VL) on a Twinkle server, offline: the
 shipped OCR-style set (cookbook/client/data/ocr: short formulas drawn on 112x28 images, the text
