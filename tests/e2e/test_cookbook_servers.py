@@ -137,6 +137,9 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
                 res, err = _script("tinker/self_host/multi_modal.py", "--max-steps", "3", cwd=work)
                 assert len(res["losses"]) == 3 and res["losses"][-1] < res["losses"][0]
                 assert len(res["read"]) == 8 and "step 3/3" in err
+                res, err = _script("twinkle/self_host/multi_modal.py", "--max-steps", "3", cwd=work)
+                assert len(res["losses"]) == 3 and res["losses"][-1] < res["losses"][0]
+                assert len(res["read"]) == 8 and "step 3/3" in err
 
             res, _ = _script(
                 "tinker/self_host/dpo.py", "--max-steps", "4", "--pairs-per-step", "8", cwd=work
