@@ -288,12 +288,11 @@ class Sampler:
         chat template renders an image as one image token (Qwen2-VL:
         ``<|vision_start|><|image_pad|><|vision_end|>``), which is taken out here; sampling puts
         the image's real tokens back there (engine/backends/vision.py). A text model (no image
-        token: a backend without ``image_token_id``, or it returns None) is a `UserInputError`
+        token: the backend's ``image_token_id()`` is None) is a `UserInputError`
         naming the first image, before its template sees the parts."""
         from engine.errors import UserInputError
 
-        get = getattr(self.backend, "image_token_id", None)
-        image_token = get() if callable(get) else None
+        image_token = self.backend.image_token_id()
         where = image_fields[0] if image_fields else "messages"
         if image_token is None:
             raise UserInputError(

@@ -61,6 +61,9 @@ class TrainingBackend(ABC):
     #: longest input (tokens) the model accepts, advertised as the context length; None: no
     #: known limit (the Trainer then probes with 128-token rows and advertises nothing)
     max_positions: int | None = None
+    #: a vision-language model's image handling (engine/backends/vision.Vision: processes the
+    #: images of native rows); None: a text model, which refuses images naming the field
+    vision: Any = None
 
     # -- adapters ------------------------------------------------------------------------------
     @abstractmethod
@@ -201,6 +204,12 @@ class SamplingBackend(ABC):
             except EngineError as e:
                 results.append(e)
         return results
+
+    def image_token_id(self) -> int | None:
+        """A vision-language model's image token (what its chat template renders per image
+        part, e.g. Qwen2-VL's ``<|image_pad|>``), for a backend that samples images; None (the
+        default): this backend takes no images, and the Sampler refuses them naming the field."""
+        return None
 
     def close(self) -> None:
         """Release what outlives garbage collection (engine processes, device memory); the

@@ -87,7 +87,7 @@ def with_images(backend: TrainingBackend, inputs: Any) -> Any:
         isinstance(r, Mapping) and r.get("images") for r in rows
     ):
         return inputs
-    vision = getattr(backend, "vision", None)
+    vision = backend.vision
     if vision is None:
         raise UserInputError("inputs: rows with images need a vision-language base model")
     out = [

@@ -41,7 +41,7 @@ class TrainerBackend(TrainingBackend):
         self.vocab_size = trainer.backend.vocab_size
         self.max_lora_rank = trainer.backend.max_lora_rank
         #: a VL model's image handling (rows with images are expanded on this thread); or None
-        self.vision = getattr(trainer.backend, "vision", None)
+        self.vision = trainer.backend.vision
         self._next_seq: dict[str, int] = {}  # run id → next seq_id (present = created)
         self._specs: dict[str, LoraSpec] = {}
 
