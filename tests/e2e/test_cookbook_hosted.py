@@ -20,17 +20,16 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
-import sqlalchemy as sa
 import yaml
 
 from tests.e2e.conftest import TWINKLE, Server, start_server, stop_server
+from tests.gateway.harness import fresh_postgres_db
 
 pytestmark = pytest.mark.e2e
 CLIENT = Path(__file__).resolve().parents[2] / "cookbook" / "client"
@@ -52,18 +51,6 @@ DEFAULT_QUOTAS = {"max_training_clients": 4, "max_lora_rank": 32, "sample_tokens
 #: and every single pass fits (a pass over the limit would be a 403 instead).
 THROTTLE_TOKENS_PER_MINUTE = 400
 THROTTLE_STEPS = 8
-
-
-def _fresh_postgres_db(server_url: str) -> str:
-    """A new empty database on the session's Postgres (shared with other tests); its URL."""
-    name = f"hosted_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    finally:
-        admin.dispose()
-    return server_url.rsplit("/", 1)[0] + "/" + name
 
 
 @dataclass
@@ -200,7 +187,7 @@ def hosted(tmp_path_factory, redis_url, postgres_url):
         },
     }
     (data / "server.yaml").write_text(yaml.safe_dump(config))
-    env = {"TWINKLE_DATABASE_URL": _fresh_postgres_db(postgres_url)}
+    env = {"TWINKLE_DATABASE_URL": fresh_postgres_db(postgres_url)}
     server, log = start_server(data, data / "server.yaml", env=env)
     h = Hosted(server, tmp_path_factory.mktemp("hosted-home"))
     # a quick-start file pointing at this very server, with a valid key: a hosted script must not

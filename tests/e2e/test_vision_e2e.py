@@ -175,34 +175,41 @@ def test_an_image_sent_to_a_text_model_is_refused(server, api_key):
     sc.close("success")
 
 
-def test_cookbook_multi_modal_script(vl_server):
-    """cookbook/client/tinker/self_host/multi_modal.py against the VL server: it sizes its image
-    chunks from the server's preprocessor config, trains, and reads images back."""
+def _cookbook(vl_server, script: str, user: str, *args: str) -> tuple[dict, str]:
+    """``python cookbook/client/<script> args`` against the VL server with the two exports:
+    its final JSON line and its stderr."""
     import os
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[2] / "cookbook/client/tinker/self_host/multi_modal.py"
     env = {
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", "/root"),
         "TWINKLE_SERVER_URL": vl_server.url,
-        "TWINKLE_SERVER_TOKEN": vl_server.create_key("cookbook-vl"),
+        "TWINKLE_SERVER_TOKEN": vl_server.create_key(user),
         "TINKER_TELEMETRY": "0",
         "HF_HUB_OFFLINE": "1",
     }
     out = subprocess.run(
-        [sys.executable, str(script), "--max-steps", "60"],
+        [sys.executable, str(REPO_COOKBOOK / script), *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_cookbook_multi_modal_script(vl_server):
+    """cookbook/client/tinker/self_host/multi_modal.py against the VL server: it sizes its image
+    chunks from the server's preprocessor config, trains, and reads images back."""
+    res, err = _cookbook(
+        vl_server, "tinker/self_host/multi_modal.py", "cookbook-vl", "--max-steps", "60"
+    )
     assert res["losses"][29] < 0.5 * res["losses"][0], res["losses"]
     assert res["correct"] >= 2, res["read"]
-    assert "step 60/60" in out.stderr
+    assert "step 60/60" in err
 
 
 def test_openai_chat_with_a_data_url_image(vl_server):
@@ -254,26 +261,9 @@ def test_cookbook_native_multi_modal_script(vl_server):
     """cookbook/client/twinkle/self_host/multi_modal.py: the native client's dataset with images
     in the messages, encoded by the server's template, trained, sampled back through the native
     sampler."""
-    import os
-    import subprocess
-    import sys
-
-    script = REPO_COOKBOOK / "twinkle/self_host/multi_modal.py"
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": os.environ.get("HOME", "/root"),
-        "TWINKLE_SERVER_URL": vl_server.url,
-        "TWINKLE_SERVER_TOKEN": vl_server.create_key("cookbook-native-vl"),
-    }
-    out = subprocess.run(
-        [sys.executable, str(script), "--max-steps", "60"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    res, _ = _cookbook(
+        vl_server, "twinkle/self_host/multi_modal.py", "cookbook-native-vl", "--max-steps", "60"
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["losses"][29] < 0.5 * res["losses"][0], res["losses"]
     # different images read right: the adapter learned from the pixels (measured: 5 of 8)
     assert res["correct"] >= 2, res["read"]
