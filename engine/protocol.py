@@ -32,7 +32,8 @@ DEFAULT_LORA_ALPHA = 32.0
 class LoraSpec:
     """Configuration of one adapter. Target modules follow Tinker's three switches:
     train_attn → q/k/v/o projections, train_mlp → gate/up/down projections,
-    train_unembed → lm_head."""
+    train_unembed → lm_head; plus ``train_vision`` (off by default, vision-language models only):
+    the vision tower's block projections too (VISION_TARGETS)."""
 
     rank: int
     alpha: float = DEFAULT_LORA_ALPHA
@@ -40,6 +41,7 @@ class LoraSpec:
     train_mlp: bool = True
     train_unembed: bool = True
     seed: int = 0
+    train_vision: bool = False
 
 
 # -- LoRA targets and configs ------------------------------------------------------------------
@@ -48,6 +50,10 @@ class LoraSpec:
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_TARGETS = ("lm_head",)
+#: a VL model's vision-tower block projections (Qwen2-VL / Qwen2.5-VL: attn.qkv, attn.proj,
+#: mlp.fc1/fc2); trained only with ``train_vision`` (engine/backends/lora.py finds the tower's
+#: layers by position, so a tower MLP named gate/up/down_proj follows this switch, not train_mlp)
+VISION_TARGETS = ("qkv", "proj", "fc1", "fc2")
 _GROUPS = (
     ("train_attn", ATTN_TARGETS),
     ("train_mlp", MLP_TARGETS),
@@ -82,6 +88,8 @@ def lora_spec_from_config(config: Any) -> LoraSpec:
     groups it names. Naming part of a group (e.g. PEFT's common ``["q_proj", "v_proj"]``) trains
     the whole group, with a warning: adapters switch q/k/v/o, gate/up/down and lm_head as groups.
     ``lora_dropout`` is ignored (training runs without dropout, so it is reproducible).
+    The vision tower of a VL model is opt-in: ``train_vision: True`` or naming its modules
+    (VISION_TARGETS) in the list; "all-linear" keeps to the language model.
     """
     bad = [k for k, rule in _UNSUPPORTED_LORA.items() if rule(_get(config, k))]
     if bad:
@@ -93,6 +101,9 @@ def lora_spec_from_config(config: Any) -> LoraSpec:
     seed = _get(config, "seed", default=0)
     targets = _get(config, "target_modules")
     flags = dict.fromkeys([name for name, _ in _GROUPS], True)
+    vision = _get(config, "train_vision", default=False)
+    if not isinstance(vision, bool):
+        raise UserInputError(f"lora config: train_vision {vision!r} must be true or false")
     if isinstance(targets, str):
         if targets == "all-linear":
             flags["train_unembed"] = False
@@ -103,14 +114,18 @@ def lora_spec_from_config(config: Any) -> LoraSpec:
             )
     elif targets is not None:
         names = {str(t).rsplit(".", 1)[-1] for t in targets}
+        tower = names & set(VISION_TARGETS)
+        vision = vision or bool(tower)
+        names -= tower
         known = {m for _, group in _GROUPS for m in group}
         unknown = sorted(names - known)
         if unknown:
             raise UserInputError(
                 f"lora config: target_modules {unknown} cannot be targeted; targetable modules: "
-                f"{', '.join(m for _, g in _GROUPS for m in g)}"
+                f"{', '.join(m for _, g in _GROUPS for m in g)} (and a VL model's vision tower: "
+                f"{', '.join(VISION_TARGETS)})"
             )
-        added = []
+        added = sorted(set(VISION_TARGETS) - tower) if tower else []
         for flag, group in _GROUPS:
             chosen = names & set(group)
             flags[flag] = bool(chosen)
@@ -126,12 +141,15 @@ def lora_spec_from_config(config: Any) -> LoraSpec:
             raise UserInputError(f"lora config: {name} {value!r} must be a number")
     if rank != int(rank) or seed != int(seed):
         raise UserInputError("lora config: r and seed must be integers")
-    return LoraSpec(rank=int(rank), alpha=float(alpha), seed=int(seed), **flags)
+    return LoraSpec(
+        rank=int(rank), alpha=float(alpha), seed=int(seed), train_vision=vision, **flags
+    )
 
 
 def spec_target_modules(spec: LoraSpec) -> list[str]:
     """The module names ``spec`` trains."""
-    return [m for flag, group in _GROUPS if getattr(spec, flag) for m in group]
+    names = [m for flag, group in _GROUPS if getattr(spec, flag) for m in group]
+    return names + list(VISION_TARGETS) if spec.train_vision else names
 
 
 @dataclass(frozen=True)

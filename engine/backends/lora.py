@@ -29,7 +29,7 @@ from torch import nn
 from engine.errors import CheckpointError
 
 # The target groups are defined in engine/protocol.py, so the torch-free gateway shares them.
-from engine.protocol import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, LoraSpec
+from engine.protocol import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, VISION_TARGETS, LoraSpec
 
 #: PEFT prefixes every key with the PeftModel → LoraModel → base model attribute path.
 PEFT_PREFIX = "base_model.model."
@@ -41,12 +41,15 @@ Segment = tuple[str, int, int]
 
 
 class _Router:
-    """Shared by every MultiLoraLinear of one model; holds the current routing segments."""
+    """Shared by every MultiLoraLinear of one model; holds the current routing segments: over
+    batch rows for the language model, over image patches for a VL model's vision tower (its
+    blocks see every image's patches concatenated in row order, [patches, dim])."""
 
-    __slots__ = ("segments",)
+    __slots__ = ("segments", "patch_segments")
 
     def __init__(self) -> None:
         self.segments: tuple[Segment, ...] = ()
+        self.patch_segments: tuple[Segment, ...] = ()
 
 
 @dataclass
@@ -61,11 +64,15 @@ class LoraWeights:
 class MultiLoraLinear(nn.Module):
     """A frozen ``nn.Linear`` plus named LoRA adapters, applied per batch-row segment."""
 
-    def __init__(self, base: nn.Linear, router: _Router, qualified_name: str) -> None:
+    def __init__(
+        self, base: nn.Linear, router: _Router, qualified_name: str, vision: bool = False
+    ) -> None:
         super().__init__()
         self.base_layer = base
         self.qualified_name = qualified_name
         self.target_name = qualified_name.rsplit(".", 1)[-1]
+        #: in a VL model's vision tower: routed by patch segments, trained with train_vision
+        self.vision = vision
         self._router = router
         self.adapters: dict[str, LoraWeights] = {}
 
@@ -91,7 +98,7 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
-        segments = self._router.segments
+        segments = self._router.patch_segments if self.vision else self._router.segments
         if not segments or not self.adapters:
             return out
         n = x.shape[0]
@@ -131,6 +138,14 @@ def _delta(x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
 # ----------------------------------------------------------------------------------- model surgery
 
 
+def _is_vision_target(name: str) -> bool:
+    """A projection in a block of a VL model's vision tower (``…visual.blocks.N.attn.qkv``)."""
+    parts = name.split(".")
+    if "visual" not in parts or "blocks" not in parts:
+        return False
+    return parts[-1] in VISION_TARGETS or (parts[-1] in MLP_TARGETS and parts[-2] == "mlp")
+
+
 def _is_target(name: str) -> bool:
     parts = name.split(".")
     last = parts[-1]
@@ -144,7 +159,8 @@ def _is_target(name: str) -> bool:
 
 
 def inject_multi_lora(model: nn.Module) -> list[str]:
-    """Wrap the attention/MLP projections of every decoder layer and ``lm_head`` in place.
+    """Wrap the attention/MLP projections of every decoder layer and ``lm_head`` in place (and
+    of every vision-tower block of a VL model: adapters with ``train_vision`` use them).
 
     Idempotent. Returns the wrapped module names. The base weights are not copied, so a tied
     ``lm_head`` stays tied to the input embedding (and frozen: we never train base weights).
@@ -154,11 +170,14 @@ def inject_multi_lora(model: nn.Module) -> list[str]:
     router = _Router()
     wrapped: list[str] = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or not _is_target(name):
+        if not isinstance(module, nn.Linear):
+            continue
+        vision = _is_vision_target(name)
+        if not (vision or _is_target(name)):
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MultiLoraLinear(module, router, name))
+        setattr(parent, child, MultiLoraLinear(module, router, name, vision))
         wrapped.append(name)
     if not wrapped:
         raise ValueError("inject_multi_lora: no q/k/v/o, gate/up/down or lm_head Linear found")
@@ -174,12 +193,30 @@ def lora_layers(model: nn.Module) -> Iterator[MultiLoraLinear]:
             yield module
 
 
+def _patch_segments(segments: Sequence[Segment], patches: Sequence[int]) -> tuple[Segment, ...]:
+    """Row segments as segments of the vision tower's patch sequence, ``patches[r]`` being row
+    r's image patch count (0 without images)."""
+    offsets = [0]
+    for n in patches:
+        offsets.append(offsets[-1] + int(n))
+    out = []
+    for adapter_id, start, end in segments:
+        if end > len(patches):
+            raise ValueError(f"lora_routing: segment {(adapter_id, start, end)} beyond patches")
+        if offsets[end] > offsets[start]:
+            out.append((adapter_id, offsets[start], offsets[end]))
+    return tuple(out)
+
+
 @contextlib.contextmanager
-def lora_routing(model: nn.Module, segments: Sequence[Segment]) -> Iterator[None]:
+def lora_routing(
+    model: nn.Module, segments: Sequence[Segment], patches: Sequence[int] = ()
+) -> Iterator[None]:
     """Within the block, rows [start, end) of every batch go through adapter ``adapter_id``.
 
     Segments must not overlap; rows outside all segments get the base model only. Nesting restores
-    the outer routing on exit.
+    the outer routing on exit. ``patches`` (VL models): each batch row's image patch count, for
+    the vision tower's layers; without it the tower runs as the base model.
     """
     router: _Router | None = getattr(model, "_twinkle_lora_router", None)
     if router is None:
@@ -190,12 +227,13 @@ def lora_routing(model: nn.Module, segments: Sequence[Segment]) -> Iterator[None
         if start < pos or end <= start:
             raise ValueError(f"lora_routing: bad or overlapping segment {(adapter_id, start, end)}")
         pos = end
-    previous = router.segments
+    previous = router.segments, router.patch_segments
     router.segments = ordered
+    router.patch_segments = _patch_segments(ordered, patches) if patches else ()
     try:
         yield
     finally:
-        router.segments = previous
+        router.segments, router.patch_segments = previous
 
 
 # ----------------------------------------------------------------------------------- adapters
@@ -220,7 +258,11 @@ def add_adapter(model: nn.Module, adapter_id: str, spec: LoraSpec) -> None:
     depend on the global RNG or on other adapters. Parameters are float32 on the base's device.
     """
     targets = set(target_module_names(spec))
-    layers = [layer for layer in lora_layers(model) if layer.target_name in targets]
+    layers = [
+        layer
+        for layer in lora_layers(model)
+        if (spec.train_vision if layer.vision else layer.target_name in targets)
+    ]
     if not layers:
         raise ValueError(f"adapter {adapter_id!r}: spec selects no module of this model")
     if any(adapter_id in layer.adapters for layer in lora_layers(model)):
@@ -351,7 +393,7 @@ def read_adapter_config(directory: str | Path, seed: int = 0) -> LoraSpec:
     targets = cfg.get("target_modules")
     if isinstance(targets, str):
         targets = [*ATTN_TARGETS, *MLP_TARGETS] if targets == "all-linear" else None
-    known = set(ATTN_TARGETS) | set(MLP_TARGETS) | set(UNEMBED_TARGETS)
+    known = set(ATTN_TARGETS) | set(MLP_TARGETS) | set(UNEMBED_TARGETS) | set(VISION_TARGETS)
     if not targets or not set(targets) <= known:
         raise CheckpointError(f"{path}: target_modules {cfg.get('target_modules')!r} not supported")
     try:
@@ -359,7 +401,7 @@ def read_adapter_config(directory: str | Path, seed: int = 0) -> LoraSpec:
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path}: missing or invalid r / lora_alpha") from None
     # Tinker's switches are per group; a config naming part of a group cannot be represented.
-    groups = [set(ATTN_TARGETS), set(MLP_TARGETS), set(UNEMBED_TARGETS)]
+    groups = [set(ATTN_TARGETS), set(MLP_TARGETS), set(UNEMBED_TARGETS), set(VISION_TARGETS)]
     flags = []
     for group in groups:
         chosen = group & set(targets)
@@ -374,6 +416,7 @@ def read_adapter_config(directory: str | Path, seed: int = 0) -> LoraSpec:
         train_attn=flags[0],
         train_mlp=flags[1],
         train_unembed=flags[2],
+        train_vision=flags[3],
         seed=seed,
     )
 

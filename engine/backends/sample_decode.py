@@ -226,7 +226,8 @@ def decode_batch(
     if extra:
         positions, delta = vision.rope_positions(model, ids, mask, extra)  # type: ignore[union-attr]
     want_prompt_lps = any(r.wants_prompt_scores for r in reqs)
-    with lora_routing(model, adapter_segments([r.adapter for r in reqs])):
+    patches = [0 if r.vision is None else r.vision.pixel_values.shape[0] for r in reqs]
+    with lora_routing(model, adapter_segments([r.adapter for r in reqs]), patches):
         out = model(
             input_ids=ids,
             attention_mask=mask,

@@ -62,7 +62,14 @@ def new_optimizer(params: dict[str, nn.Parameter]) -> torch.optim.AdamW:
 
 def spec_shape(spec: LoraSpec) -> tuple:
     """What must match for a checkpoint to load into an existing adapter (not the seed)."""
-    return (spec.rank, spec.alpha, spec.train_attn, spec.train_mlp, spec.train_unembed)
+    return (
+        spec.rank,
+        spec.alpha,
+        spec.train_attn,
+        spec.train_mlp,
+        spec.train_unembed,
+        spec.train_vision,
+    )
 
 
 def check_reload(st: AdapterState, spec: LoraSpec, adapter_id: str, path: object) -> None:
@@ -84,7 +91,14 @@ def finish_load(st: AdapterState, optimizer: torch.optim.AdamW, step: int, with_
     st.has_grad = False
 
 
-def check_spec(spec: LoraSpec, max_rank: int, model_name: str, error: type[Exception]) -> None:
+def check_spec(
+    spec: LoraSpec,
+    max_rank: int,
+    model_name: str,
+    error: type[Exception],
+    *,
+    has_vision: bool = False,
+) -> None:
     r = spec.rank
     if not isinstance(r, int) or isinstance(r, bool) or r < 1 or r & (r - 1):
         raise error(f"lora_config.rank {r!r} must be a power of 2 (1, 2, 4, ...)")
@@ -93,8 +107,13 @@ def check_spec(spec: LoraSpec, max_rank: int, model_name: str, error: type[Excep
     a = spec.alpha
     if not (isinstance(a, (int, float)) and math.isfinite(a) and a > 0):
         raise error(f"lora_config.alpha {a!r} must be a positive finite number")
-    if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
+    if not (spec.train_attn or spec.train_mlp or spec.train_unembed or spec.train_vision):
         raise error("lora_config: one of train_attn, train_mlp, train_unembed must be true")
+    if spec.train_vision and not has_vision:
+        raise error(
+            f"lora_config.train_vision: model {model_name} has no vision tower this backend "
+            "trains (vision-language models on the transformers backend only)"
+        )
 
 
 def check_adam(p: AdamParams) -> None:

@@ -82,7 +82,7 @@ class TransformersTrainingBackend(TrainingBackend):
     ) -> None:
         self.model = load_base_model(model_dir)  # eval mode: no dropout, results need no RNG
         self.model.requires_grad_(False)
-        inject_multi_lora(self.model)  # decoder layers and lm_head only: a VL tower stays frozen
+        inject_multi_lora(self.model)  # with a VL tower's blocks (used by train_vision adapters)
         config = self.model.config
         #: image handling of a vision-language base model; None for a text model
         self.vision = (
@@ -109,7 +109,13 @@ class TransformersTrainingBackend(TrainingBackend):
     # ------------------------------------------------------------------------------- adapters
 
     def _check_spec(self, spec: LoraSpec, error: type[Exception]) -> None:
-        check_spec(spec, self.max_lora_rank, self.base_model_name, error)
+        check_spec(
+            spec,
+            self.max_lora_rank,
+            self.base_model_name,
+            error,
+            has_vision=self.vision is not None,
+        )
 
     def _get(self, adapter_id: str) -> AdapterState:
         try:
@@ -277,7 +283,8 @@ class TransformersTrainingBackend(TrainingBackend):
             if not jobs[j].req.disable_lora:
                 segments.append((jobs[j].adapter_id, start, start + n))
             start += n
-        with lora_routing(self.model, segments):
+        patches = [0 if d.vision is None else d.vision.pixel_values.shape[0] for d in datums]
+        with lora_routing(self.model, segments, patches if self.vision else ()):
             logp = self._logprobs(datums)
         total: torch.Tensor | None = None
         start = 0

@@ -94,6 +94,9 @@ class TrainingRunRow(SQLModel, table=True):
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    #: LoRA on a VL model's vision tower too (native clients opt in; Tinker's LoraConfig has no
+    #: such switch)
+    train_vision: bool = False
     seed: int = 0
     user_metadata: dict[str, Any] = Field(
         default_factory=dict, sa_column=Column(JSON, nullable=False)
@@ -110,6 +113,7 @@ class TrainingRunRow(SQLModel, table=True):
             "train_attn": self.train_attn,
             "train_mlp": self.train_mlp,
             "train_unembed": self.train_unembed,
+            "train_vision": self.train_vision,
             "seed": self.seed,
         }
 

@@ -155,6 +155,7 @@ def _spec_of(run: TrainingRunRow) -> LoraSpec:
         train_attn=run.train_attn,
         train_mlp=run.train_mlp,
         train_unembed=run.train_unembed,
+        train_vision=run.train_vision,
         seed=run.seed,
     )
 
@@ -172,6 +173,7 @@ def _ensure_run_row(call: Call, spec: LoraSpec) -> TrainingRunRow:
             train_attn=spec.train_attn,
             train_mlp=spec.train_mlp,
             train_unembed=spec.train_unembed,
+            train_vision=spec.train_vision,
             seed=spec.seed,
             user_metadata={"client": "twinkle", "adapter_name": call.adapter},
         )
@@ -228,7 +230,7 @@ async def _add_adapter(call: Call, kw: dict) -> None:
     if existed:  # re-added after remove_adapter: the run (and its checkpoints) continue
         row.lora_rank, row.seed = spec.rank, spec.seed
         row.train_attn, row.train_mlp = spec.train_attn, spec.train_mlp
-        row.train_unembed = spec.train_unembed
+        row.train_unembed, row.train_vision = spec.train_unembed, spec.train_vision
         db.add(row)
         db.commit()
     try:

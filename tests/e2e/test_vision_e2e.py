@@ -10,6 +10,7 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tinker
 import yaml
@@ -126,6 +127,16 @@ def test_sdk_trains_on_images_and_reads_one_back(service, vl_server):
     # two different images read right: the answers come from the images, not from one memorised
     # string (measured: 3 of 8 after 60 steps, lr 5e-3, rank 16)
     assert len(read) >= 2, (got, losses[::10])
+    # compute_logprobs on an image prompt scores the answer as the training client's forward does
+    d0 = data[0]
+    weights = d0.loss_fn_inputs["weights"].tolist()
+    last = int(d0.loss_fn_inputs["target_tokens"].tolist()[-1])
+    full = types.ModelInput(chunks=[*d0.model_input.chunks, types.EncodedTextChunk(tokens=[last])])
+    scored = sampler.compute_logprobs(full).result()
+    fwd = tc.forward([d0], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert len(scored) == len(fwd) + 1
+    answer = [i for i, w in enumerate(weights) if w > 0]
+    assert np.allclose([scored[i + 1] for i in answer], [fwd[i] for i in answer], atol=1e-4)
 
 
 def test_bad_images_fail_naming_the_field_and_the_server_keeps_serving(service, vl_server):
@@ -268,3 +279,21 @@ def test_cookbook_native_multi_modal_script(vl_server):
     # different images read right: the adapter learned from the pixels (measured: 5 of 8)
     assert res["correct"] >= 2, res["read"]
     assert res["checkpoint"].startswith("twinkle://")
+
+
+def test_native_multi_modal_with_the_vision_tower(vl_server):
+    """``--train-vision``: the native client's LoRA config opts into the vision tower; it trains
+    through the server, and the saved adapter's PEFT config names the tower's modules."""
+    res, _ = _cookbook(
+        vl_server,
+        "twinkle/self_host/multi_modal.py",
+        "cookbook-native-vl-tower",
+        "--max-steps",
+        "30",
+        "--train-vision",
+    )
+    assert res["train_vision"] is True
+    assert res["losses"][-1] < 0.5 * res["losses"][0], res["losses"]
+    configs = [json.loads(p.read_text()) for p in vl_server.data_dir.rglob("adapter_config.json")]
+    tower = [c for c in configs if {"qkv", "proj", "fc1", "fc2"} <= set(c["target_modules"])]
+    assert tower, "no saved adapter trained the vision tower"

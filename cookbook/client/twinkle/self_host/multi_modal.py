@@ -15,7 +15,9 @@ template needs the model's processor from a hub); the rows it sends, ``pixel_val
 train here too.
 
 ``--max-steps`` optimizer steps over the whole set (a line per step), then it saves the adapter
-and samples every image greedily through the native sampler. One JSON line at the end: losses,
+and samples every image greedily through the native sampler. LoRA goes on the language model;
+``--train-vision`` puts it on the vision tower's blocks too (opt-in, like naming their modules
+``qkv``/``proj``/``fc1``/``fc2`` in ``target_modules``). One JSON line at the end: losses,
 the checkpoint, and what each image was read as.
 """
 
@@ -54,7 +56,9 @@ def ocr_trajectory(row: dict) -> dict:
     }
 
 
-def main(max_steps: int, lr: float, client: TwinkleClient | None = None) -> dict:
+def main(
+    max_steps: int, lr: float, client: TwinkleClient | None = None, train_vision: bool = False
+) -> dict:
     """Train, save, read back. ``client``: use and leave open (default: a new one, closed)."""
     own = client is None
     client = client or init_twinkle_client()  # TWINKLE_SERVER_URL / _TOKEN, or the quick start
@@ -69,7 +73,7 @@ def main(max_steps: int, lr: float, client: TwinkleClient | None = None) -> dict
     # "all": attention, MLP and the output layer (Tinker's default). Upstream's "all-linear"
     # leaves the output layer out; on the tiny random model that trains 5x slower (measured:
     # loss 7.65 -> 6.6 in 40 steps, against 7.65 -> 0.8 with it).
-    lora = {"r": 16, "lora_alpha": 32, "target_modules": "all"}
+    lora = {"r": 16, "lora_alpha": 32, "target_modules": "all", "train_vision": train_vision}
     model.add_adapter_to_model("default", lora)
     model.set_template("Template")
     model.set_processor("InputProcessor", padding_side="right")
@@ -104,6 +108,7 @@ def main(max_steps: int, lr: float, client: TwinkleClient | None = None) -> dict
     return {
         "losses": losses,
         "checkpoint": saved.twinkle_path,
+        "train_vision": train_vision,
         "read": read,
         "correct": sum(x["read"] == x["text"] for x in read),
     }
@@ -113,5 +118,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--train-vision", action="store_true", help="LoRA on the vision tower too")
     a = p.parse_args()
-    print(json.dumps(main(a.max_steps, a.lr)))
+    print(json.dumps(main(a.max_steps, a.lr, train_vision=a.train_vision)))
