@@ -42,6 +42,13 @@ class ReplicaConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1, description="Ray Serve replicas of this deployment")
     num_cpus: float = Field(default=0.5, gt=0, description="CPUs reserved per replica")
     num_gpus: float = Field(default=0, ge=0, description="GPUs reserved per replica")
+    torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch's compute threads in this replica; default: the cores the host lets "
+        "the process use (num_cpus only reserves for Ray's scheduling, and Ray would otherwise "
+        "leave a replica with num_cpus < 2 one thread)",
+    )
 
 
 class MegatronConfig(_Strict):

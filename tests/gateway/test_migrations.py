@@ -7,6 +7,7 @@ fresh database.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -52,6 +53,25 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path):
         yield f"sqlite:///{tmp_path / 'mig.db'}"
         return
     yield fresh_postgres_db(request.getfixturevalue("postgres_url"))
+
+
+@contextlib.contextmanager
+def _migrating(url: str, revision: str):
+    """(connection, alembic config) on ``url`` upgraded to ``revision`` with one user 'old'
+    inserted (committed); the engine is disposed after."""
+    engine = make_engine(url, foreign_keys=False)
+    try:
+        with engine.connect() as conn:
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+            conn.exec_driver_sql(
+                "INSERT INTO users (name, is_admin, created_at) VALUES ('old', false, '2025-01-01')"
+            )
+            conn.commit()
+            yield conn, cfg
+    finally:
+        engine.dispose()
 
 
 def _columns(url: str, table: str) -> list:
@@ -220,60 +240,39 @@ def test_in_memory_engine_can_be_migrated_and_used() -> None:
 def test_accounts_migration_moves_existing_users_into_default_org(db_url: str) -> None:
     """0001 → 0002_accounts on a database with users: they join organization "default"; the
     downgrade back to 0001 keeps them."""
-    engine = make_engine(db_url, foreign_keys=False)
-    try:
-        with engine.connect() as conn:
-            cfg = alembic_config()
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "0001")
-            conn.exec_driver_sql(
-                "INSERT INTO users (name, is_admin, created_at) VALUES ('old', false, '2025-01-01')"
-            )
-            conn.commit()
-            command.upgrade(cfg, HEAD)
-            conn.commit()
-            row = conn.exec_driver_sql(
-                "SELECT o.name FROM users u JOIN organizations o ON o.id = u.org_id"
-            ).all()
-            assert [r[0] for r in row] == ["default"]
-            command.downgrade(cfg, "0001")
-            conn.commit()
-            assert conn.exec_driver_sql("SELECT count(*) FROM users").scalar() == 1
-    finally:
-        engine.dispose()
+    with _migrating(db_url, "0001") as (conn, cfg):
+        command.upgrade(cfg, HEAD)
+        conn.commit()
+        row = conn.exec_driver_sql(
+            "SELECT o.name FROM users u JOIN organizations o ON o.id = u.org_id"
+        ).all()
+        assert [r[0] for r in row] == ["default"]
+        command.downgrade(cfg, "0001")
+        conn.commit()
+        assert conn.exec_driver_sql("SELECT count(*) FROM users").scalar() == 1
     assert "organizations" not in _tables(db_url)
 
 
 def test_train_vision_migration_gives_existing_runs_false(db_url: str) -> None:
     """0002_accounts → 0003_train_vision on a database with a training run: the run reads
     train_vision false (no adapter trained a vision tower before); the downgrade drops it."""
-    engine = make_engine(db_url, foreign_keys=False)
-    try:
-        with engine.connect() as conn:
-            cfg = alembic_config()
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "0002_accounts")
-            conn.exec_driver_sql(
-                "INSERT INTO users (name, is_admin, created_at) VALUES ('old', false, '2025-01-01')"
-            )
-            conn.exec_driver_sql(
-                "INSERT INTO sessions (id, user_id, tags, user_metadata, created_at, "
-                "last_heartbeat_at) VALUES ('s', 1, '[]', '{}', '2025-01-01', '2025-01-01')"
-            )
-            conn.exec_driver_sql(
-                "INSERT INTO training_runs (id, session_id, user_id, base_model, lora_rank, "
-                "train_attn, train_mlp, train_unembed, seed, user_metadata, created_at, "
-                "last_request_time) VALUES ('s:train:0', 's', 1, 'm', 8, true, true, true, 0, "
-                "'{}', '2025-01-01', '2025-01-01')"
-            )
-            conn.commit()
-            command.upgrade(cfg, "0003_train_vision")
-            conn.commit()
-            value = conn.exec_driver_sql("SELECT train_vision FROM training_runs").scalar()
-            assert value in (False, 0)
-            command.downgrade(cfg, "0002_accounts")
-            conn.commit()
-            assert conn.exec_driver_sql("SELECT count(*) FROM training_runs").scalar() == 1
-    finally:
-        engine.dispose()
+    with _migrating(db_url, "0002_accounts") as (conn, cfg):
+        conn.exec_driver_sql(
+            "INSERT INTO sessions (id, user_id, tags, user_metadata, created_at, "
+            "last_heartbeat_at) VALUES ('s', 1, '[]', '{}', '2025-01-01', '2025-01-01')"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO training_runs (id, session_id, user_id, base_model, lora_rank, "
+            "train_attn, train_mlp, train_unembed, seed, user_metadata, created_at, "
+            "last_request_time) VALUES ('s:train:0', 's', 1, 'm', 8, true, true, true, 0, "
+            "'{}', '2025-01-01', '2025-01-01')"
+        )
+        conn.commit()
+        command.upgrade(cfg, "0003_train_vision")
+        conn.commit()
+        value = conn.exec_driver_sql("SELECT train_vision FROM training_runs").scalar()
+        assert value in (False, 0)
+        command.downgrade(cfg, "0002_accounts")
+        conn.commit()
+        assert conn.exec_driver_sql("SELECT count(*) FROM training_runs").scalar() == 1
     assert "train_vision" not in {c["name"] for c in _columns(db_url, "training_runs")}

@@ -112,3 +112,26 @@ def test_building_mock_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_backends_compute_on_the_cores_they_are_given(tiny_model_dir, tmp_path) -> None:
+    """torch_threads: as configured, else the cores the process may run on (not Ray's
+    OMP_NUM_THREADS=1 of a replica with num_cpus < 2)."""
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    host = len(os.sched_getaffinity(0))
+    try:
+        torch.set_num_threads(1)  # as in a Ray replica with num_cpus 0.5
+        m = ModelConfig(name=TINY, path=str(tiny_model_dir))
+        build_training_backend(m, str(tmp_path))
+        assert torch.get_num_threads() == host
+        m = ModelConfig(name=TINY, path=str(tiny_model_dir), sampler={"torch_threads": 1})
+        build_sampling_backend(m, str(tmp_path))
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="torch_threads"):
+            ModelConfig(name=TINY, trainer={"torch_threads": 0})
+    finally:
+        torch.set_num_threads(before)

@@ -29,7 +29,7 @@ from engine.protocol import (
     lora_spec_from_config,
 )
 from tests.factories import png
-from tests.unit.test_vision_training import _tok, image_datum, text_datum
+from tests.unit.test_vision_training import _tok, image_datum, peft_image_logits, text_datum
 
 pytest.importorskip("PIL")
 
@@ -127,16 +127,7 @@ def test_export_loads_with_peft_and_the_torch_sampler_applies_it(be, tiny_vl_mod
     wrapped = {n for n, _ in pm.named_modules() if n.endswith(".lora_A")}
     assert any(".visual.blocks.0.attn.qkv" in n for n in wrapped)
     assert not any(".merger." in n for n in wrapped)  # the merger is not a block projection
-    assert be.vision is not None
-    ids, vis = be.vision.expand(data[0].tokens, data[0].images, "x")
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        logits = pm(
-            input_ids=x,
-            pixel_values=torch.from_numpy(vis.pixel_values),
-            image_grid_thw=torch.from_numpy(vis.grid_thw),
-            mm_token_type_ids=(x == be.vision.image_token_id).long(),
-        ).logits[0]
+    x, logits = peft_image_logits(pm, be, data[0])
     tgt = torch.from_numpy(data[0].loss_fn_inputs["target_tokens"])
     theirs = torch.log_softmax(logits.double(), -1).gather(-1, tgt[:, None])[:, 0].numpy()
     np.testing.assert_allclose(ours.outputs[0]["logprobs"], theirs, atol=1e-4)

@@ -14,7 +14,7 @@ import pytest
 
 from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import UserInputError
-from engine.protocol import DatumInput, ForwardBackwardInput, ImagePart, LoraSpec
+from engine.protocol import VISION_TARGETS, DatumInput, ForwardBackwardInput, ImagePart, LoraSpec
 from tests.factories import png
 from tests.unit.training_backend_helpers import assert_logprobs_close
 
@@ -301,13 +301,25 @@ def test_a_vl_adapter_exports_in_peft_format_and_loads_with_peft(be, tiny_vl_mod
     ours = be.forward_backward("peft", ForwardBackwardInput(data[:1], forward_only=True))
     be.save_state("peft", str(tmp_path / "ckpt"), include_optimizer=False)
     cfg = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
-    assert not any("visual" in m for m in cfg["target_modules"])
+    assert not set(VISION_TARGETS) & set(cfg["target_modules"])  # the tower is opt-in
     base = AutoModelForImageTextToText.from_pretrained(str(tiny_vl_model_dir)).float()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tied lm_head warning
         pm = PeftModel.from_pretrained(base, str(tmp_path / "ckpt")).eval()
+    _, logits = peft_image_logits(pm, be, data[0])
+    tgt = torch.from_numpy(data[0].loss_fn_inputs["target_tokens"])
+    theirs = torch.log_softmax(logits.double(), -1).gather(-1, tgt[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(ours.outputs[0]["logprobs"], theirs, atol=1e-4)
+    be.delete_adapter("peft")
+
+
+def peft_image_logits(pm, be, d: DatumInput):
+    """(expanded ids [1, T], logits [T, V]) of a peft model on datum ``d``'s text and image, the
+    image processed by the backend's `Vision` (as the engine does)."""
+    import torch
+
     assert be.vision is not None
-    ids, vis = be.vision.expand(data[0].tokens, data[0].images, "x")
+    ids, vis = be.vision.expand(d.tokens, d.images, "x")
     x = torch.tensor([ids])
     with torch.no_grad():
         logits = pm(
@@ -316,7 +328,4 @@ def test_a_vl_adapter_exports_in_peft_format_and_loads_with_peft(be, tiny_vl_mod
             image_grid_thw=torch.from_numpy(vis.grid_thw),
             mm_token_type_ids=(x == be.vision.image_token_id).long(),
         ).logits[0]
-    tgt = torch.from_numpy(data[0].loss_fn_inputs["target_tokens"])
-    theirs = torch.log_softmax(logits.double(), -1).gather(-1, tgt[:, None])[:, 0].numpy()
-    np.testing.assert_allclose(ours.outputs[0]["logprobs"], theirs, atol=1e-4)
-    be.delete_adapter("peft")
+    return x, logits

@@ -1,0 +1,351 @@
+"""The service path against a bare training loop: what running through Twinkle costs.
+
+Usage (from the repository root):
+
+    .venv/bin/python benchmarks/service_path.py                  # tiny + medium (25 M)
+    .venv/bin/python benchmarks/service_path.py --models smollm2 # after `twinkle models pull`
+    .venv/bin/python benchmarks/service_path.py --quick          # tiny, 4 steps
+
+The same SFT loop (model, batch B x T random tokens, rank-8 LoRA on every target, AdamW, summed
+cross-entropy) run twice, one after the other on the same cores:
+
+* ``bare``: torch + peft in this process (train mode, one adapter), ``torch.set_num_threads`` =
+  the cores this process may use: the floor;
+* ``service``: the unmodified Tinker SDK (``forward_backward`` + ``optim_step`` queued, then both
+  ``.result()``, as tinker-cookbook's sl_loop does) against a ``twinkle serve`` started here with
+  that model, one tenant.
+
+Reported per model: tokens/s and step latency p50/p95 of both, their ratio (service / bare), and
+where the rest goes: the gateway's own time per route from its ``/metrics`` (the sum of request
+durations: forward_backward / optim_step submission, and retrieve_future, which includes waiting
+for the Trainer), the client's time outside HTTP (SDK encoding + its polling gaps), and compute
+(the bare step). Also ``twinkle serve``'s time to ready and a new tenant's time to first step
+(create the training client + the first step). Numbers: benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+for p in (HERE, HERE.parent):  # benchmarks/ (multi_tenant.py) and the repo (engine)
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from multi_tenant import ALPHA, LORA_TARGETS, RANK, build_medium, cache_root  # noqa: E402
+
+LR = 1e-4
+#: per model: (B sequences, T tokens) per step
+SHAPE = {"tiny": (8, 128), "medium": (8, 128), "smollm2": (4, 128)}
+TWINKLE = str(Path(sys.executable).parent / "twinkle")
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def model_dir(name: str, data_dir: Path) -> tuple[Path, str]:
+    """(HF folder with a tokenizer, the name `twinkle serve` serves it under)."""
+    from engine.base_models.tiny import build_tiny
+
+    tiny = build_tiny(cache_root() / "tiny-chat")
+    if name == "tiny":
+        return tiny, "bench/tiny"
+    if name == "medium":  # the 25 M Qwen2; vocab 2048 = the tiny model's, so its tokenizer fits
+        path = build_medium(cache_root() / "medium-qwen2-h512-l8-v2048-seed0")
+        for f in tiny.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, path / f.name)
+        return path, "bench/medium"
+    if name == "smollm2":
+        from engine.base_models.pull import is_pulled, not_pulled_error, pulled_dir
+
+        home = Path(os.environ.get("TWINKLE_DATA_DIR", ".twinkle"))
+        if not is_pulled("smollm2-135m-instruct", home):
+            raise SystemExit(str(not_pulled_error("smollm2-135m-instruct")))
+        return pulled_dir("smollm2-135m-instruct", home), "bench/smollm2"
+    raise SystemExit(f"unknown model {name!r} (tiny, medium, smollm2)")
+
+
+def batches(vocab: int, b: int, t: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab, (b, t + 1)) for _ in range(n)]
+
+
+@dataclass
+class Side:
+    tokens_per_s: float
+    step_p50_s: float
+    step_p95_s: float
+
+
+def summarize(times: list[float], tokens: int) -> Side:
+    q = np.quantile(times, [0.5, 0.95])
+    return Side(tokens / statistics.mean(times), float(q[0]), float(q[1]))
+
+
+# ----------------------------------------------------------------------------------- bare loop
+
+
+def bare(path: Path, data: list[np.ndarray], warmup: int) -> list[float]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(cores())
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    model = get_peft_model(base, cfg).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    times = []
+    for i, seq in enumerate(data):
+        t0 = time.perf_counter()
+        ids, tgt = torch.from_numpy(seq[:, :-1]), torch.from_numpy(seq[:, 1:])
+        logits = model(input_ids=ids, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum"
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+# ----------------------------------------------------------------------------------- service
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    path: Path, name: str, work: Path, threads: int | None
+) -> tuple[subprocess.Popen, str, dict, float]:
+    """A `twinkle serve` of ``path`` as ``name`` (Trainer torch threads: ``threads``, None = the
+    server's default): (process, url, env, seconds to ready)."""
+    import httpx
+
+    port = _free_port()
+    config = work / "server.yaml"
+    trainer = f"    trainer: {{torch_threads: {threads}}}\n" if threads else ""
+    config.write_text(
+        f"models:\n  - name: {name}\n    path: {path}\n    max_lora_rank: {RANK}\n"
+        "    execution: sequential\n" + trainer
+    )
+    shutil.rmtree(work / "data", ignore_errors=True)
+    env = dict(os.environ, TWINKLE_DATA_DIR=str(work / "data"))
+    log = open(work / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [TWINKLE, "serve", "--config", str(config), "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit((work / "serve.log").read_text()[-3000:])
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                return proc, url, env, time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+_SERIES = re.compile(
+    r'^twinkle_http_request_seconds_(sum|count)\{[^}]*route="([^"]+)"[^}]*\} (\S+)$'
+)
+
+
+def gateway_seconds(url: str) -> dict[str, float]:
+    """Seconds the gateway spent per route so far (sum of request durations, /metrics)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = _SERIES.match(line)
+        if m and m.group(1) == "sum":
+            out[m.group(2)] = out.get(m.group(2), 0.0) + float(m.group(3))
+    return out
+
+
+def service(
+    name: str, url: str, key: str, data: list[np.ndarray], warmup: int
+) -> tuple[list[float], float, dict[str, float]]:
+    """(step times, time to first step, gateway seconds per route over the timed steps)."""
+    import tinker
+    from tinker import types
+
+    def datums(seq: np.ndarray) -> list:
+        return [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(row[:-1].tolist()),
+                loss_fn_inputs={"target_tokens": row[1:].tolist()},
+            )
+            for row in seq
+        ]
+
+    t0 = time.perf_counter()
+    sc = tinker.ServiceClient(base_url=url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=name, rank=RANK)
+    tc = tc.result() if hasattr(tc, "result") else tc
+    adam = types.AdamParams(learning_rate=LR)
+    times: list[float] = []
+    first = 0.0
+    before: dict[str, float] = {}
+    for i, seq in enumerate(data):
+        if i == warmup:
+            before = gateway_seconds(url)
+        s0 = time.perf_counter()
+        fb = tc.forward_backward(datums(seq), "cross_entropy")
+        opt = tc.optim_step(adam)
+        fb.result()
+        opt.result()
+        if i == 0:
+            first = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(time.perf_counter() - s0)
+    after = gateway_seconds(url)
+    sc.close("success").result()
+    routes = {
+        k: v - before.get(k, 0.0)
+        for k, v in after.items()
+        if v - before.get(k, 0.0) > 0 and not k.startswith("/metrics")
+    }
+    return times, first, routes
+
+
+# ----------------------------------------------------------------------------------- runner
+
+
+def run(name: str, steps: int, warmup: int, variants: list[int | None]) -> list[dict]:
+    """Bare loop once, then the service once per Trainer thread setting in ``variants``."""
+    work = Path(tempfile.mkdtemp(prefix=f"svc-{name}-"))
+    rows = []
+    try:
+        path, served = model_dir(name, work)
+        vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size"))
+        b, t = SHAPE[name]
+        data = batches(vocab, b, t, steps + warmup)
+        bare_s = summarize(bare(path, data, warmup), b * t)
+        bare_step = b * t / bare_s.tokens_per_s
+        for threads in variants:
+            proc, url, env, ready = start_server(path, served, work, threads)
+            try:
+                key = subprocess.run(
+                    [TWINKLE, "keys", "create", "--user", "bench"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.split()[-1]
+                times, first, routes = service(served, url, key, data, warmup)
+            finally:
+                stop_server(proc)
+            svc = summarize(times, b * t)
+            wall = sum(times) / len(times)
+            rows.append(
+                {
+                    "model": name,
+                    "trainer_threads": threads or "default",
+                    "batch": [b, t],
+                    "steps": steps,
+                    "cores": cores(),
+                    "bare": asdict(bare_s),
+                    "service": asdict(svc),
+                    "ratio": svc.tokens_per_s / bare_s.tokens_per_s,
+                    "serve_ready_s": ready,
+                    "first_step_s": first,
+                    # per timed step: where the service's wall time goes
+                    "per_step_s": {
+                        "wall": wall,
+                        "compute (the bare step)": bare_step,
+                        "overhead (wall - bare step)": wall - bare_step,
+                        **{f"gateway {k}": v / len(times) for k, v in sorted(routes.items())},
+                    },
+                }
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="tiny,medium")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="tiny only, 4 steps")
+    ap.add_argument(
+        "--trainer-threads",
+        default="1,default",
+        help="Trainer torch-thread settings to compare, comma-separated (1 = the old default)",
+    )
+    ap.add_argument("--json", help="also write the rows here")
+    a = ap.parse_args()
+    models = ["tiny"] if a.quick else a.models.split(",")
+    steps = 4 if a.quick else a.steps
+    variants = [None if v == "default" else int(v) for v in a.trainer_threads.split(",")]
+    rows = []
+    for m in models:
+        print(f"[service_path] {m}: bare loop, then the service ...", file=sys.stderr, flush=True)
+        rows += run(m, steps, a.warmup, variants)
+    print(f"\ncores: {cores()}, steps: {steps} timed after {a.warmup} warm-up, rank {RANK}")
+    head = f"{'model':8} {'threads':>8} {'B x T':>8} {'bare tok/s':>11} {'service tok/s':>14}"
+    head += f" {'ratio':>6}"
+    head += f" {'bare p50/p95 s':>15} {'service p50/p95 s':>18} {'ready s':>8} {'1st step s':>10}"
+    print(head)
+    for r in rows:
+        bs, ss = r["bare"], r["service"]
+        shape = "x".join(map(str, r["batch"]))
+        print(
+            f"{r['model']:8} {r['trainer_threads']!s:>8} {shape:>8} {bs['tokens_per_s']:11.0f} "
+            f"{ss['tokens_per_s']:14.0f} {r['ratio']:6.2f} "
+            f"{bs['step_p50_s']:7.3f}/{bs['step_p95_s']:.3f} "
+            f"{ss['step_p50_s']:10.3f}/{ss['step_p95_s']:.3f} "
+            f"{r['serve_ready_s']:8.1f} {r['first_step_s']:10.2f}"
+        )
+    for r in rows:
+        print(f"\n{r['model']}, Trainer threads {r['trainer_threads']}: per timed step, seconds")
+        for k, v in r["per_step_s"].items():
+            print(f"  {k:40} {v:.4f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
