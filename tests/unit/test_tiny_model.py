@@ -108,7 +108,10 @@ def test_registry(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     assert resolve_model_dir("anything", tmp_path, str(tiny_model_dir)) == tiny_model_dir
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_model_dir("x", tmp_path, str(tmp_path / "missing"))
-    with pytest.raises(ConfigError, match=TINY_MODEL_NAME):
+    with pytest.raises(ConfigError, match=TINY_MODEL_NAME):  # the error lists the known names
+        resolve_model_dir("unknown", tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id: looked up in the HF cache only
+    with pytest.raises(ConfigError, match="'org/unknown' is not in the local Hugging Face cache"):
         resolve_model_dir("org/unknown", tmp_path)
 
     built: list[Path] = []
