@@ -47,7 +47,7 @@ class ReplicaConfig(_Strict):
         ge=1,
         description="torch's compute threads in this replica; default: the cores the host lets "
         "the process use (num_cpus only reserves for Ray's scheduling, and Ray would otherwise "
-        "leave a replica with num_cpus < 2 one thread)",
+        "leave a replica with num_cpus < 2 one thread); 1 for the built-in tiny models",
     )
 
 

@@ -125,11 +125,14 @@ def test_backends_compute_on_the_cores_they_are_given(tiny_model_dir, tmp_path) 
     host = len(os.sched_getaffinity(0))
     try:
         torch.set_num_threads(1)  # as in a Ray replica with num_cpus 0.5
-        m = ModelConfig(name=TINY, path=str(tiny_model_dir))
+        m = ModelConfig(name="org/model", path=str(tiny_model_dir))
         build_training_backend(m, str(tmp_path))
         assert torch.get_num_threads() == host
-        m = ModelConfig(name=TINY, path=str(tiny_model_dir), sampler={"torch_threads": 1})
+        m = ModelConfig(name="org/model", path=str(tiny_model_dir), sampler={"torch_threads": 1})
         build_sampling_backend(m, str(tmp_path))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(host)
+        build_training_backend(ModelConfig(name=TINY), str(tmp_path))  # built in: 1 by default
         assert torch.get_num_threads() == 1
         with pytest.raises(ValueError, match="torch_threads"):
             ModelConfig(name=TINY, trainer={"torch_threads": 0})
