@@ -201,6 +201,14 @@ def test_external_weights_download_loads_in_peft_with_server_logits(server, owne
         assert r.status_code == 200, r.text
         (out / name).write_bytes(r.content)
     assert httpx.get(url.replace("sig=", "sig=0"), timeout=30).status_code == 403
+    # hostile URLs (found by fuzzing: the first two were 500s) are plain 403 / 404 / 400
+    assert httpx.get(url.replace("sig=", "sig=%C3%A9%F0%9F%98%80"), timeout=30).status_code == 403
+    base_url, _, query = url.partition("?")
+    row_url = base_url.rsplit("/", 1)[0]
+    assert httpx.get(f"{row_url}/adapter_%C3%A9.json?{query}", timeout=30).status_code == 404
+    huge = row_url.rsplit("/", 1)[0] + "/" + "9" * 30
+    assert httpx.get(f"{huge}/adapter_config.json?{query}", timeout=30).status_code == 404
+    assert httpx.get(f"{row_url}/adapter_config.json?sig=x", timeout=30).status_code == 400
     base = AutoModelForCausalLM.from_pretrained(Path(server.data_dir) / "models" / "tiny-chat")
     model = peft.PeftModel.from_pretrained(base, str(out)).eval()
     for datum, outputs in zip(DATA, server_out.loss_fn_outputs, strict=True):
