@@ -1,9 +1,10 @@
-"""Multi-adapter LoRA for HF causal LMs, plus PEFT-format adapter files.
+"""Multi-adapter LoRA for HF causal LMs (and a VL model's vision tower, opt-in).
 
 Owns `MultiLoraLinear` (a frozen ``nn.Linear`` holding any number of named adapters), the routing
-context that says which adapter applies to which rows of the batch, adapter creation/removal with
-PEFT's default init, and reading/writing ``adapter_model.safetensors`` + ``adapter_config.json`` so
-that ``peft.PeftModel.from_pretrained`` loads what we save (and we load what peft saves).
+context that says which adapter applies to which rows of the batch (and which image patches, in
+a vision tower), adapter creation/removal with PEFT's default init, and saving / loading one
+adapter of a model as PEFT files (their format: engine/backends/peft_files.py), so that
+``peft.PeftModel.from_pretrained`` loads what we save (and we load what peft saves).
 
 Why not peft at runtime: peft picks one active adapter per model (or per sample only in eval mode);
 routing by row segments lets several tenants' adapters share one batch later, with their own ranks.
@@ -15,26 +16,26 @@ Adapter parameters are kept outside the module tree (plain dicts), so the base m
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.errors import CheckpointError
+from engine.backends.peft_files import (
+    read_adapter_config,
+    read_adapter_tensors,
+    write_adapter_files,
+)
 
 # The target groups are defined in engine/protocol.py, so the torch-free gateway shares them.
 from engine.protocol import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, VISION_TARGETS, LoraSpec
 
 #: PEFT prefixes every key with the PeftModel → LoraModel → base model attribute path.
 PEFT_PREFIX = "base_model.model."
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-ADAPTER_CONFIG_NAME = "adapter_config.json"
 
 #: (adapter_id, row_start, row_end): rows [row_start, row_end) of the batch use that adapter.
 Segment = tuple[str, int, int]
@@ -305,31 +306,6 @@ def adapter_parameters(model: nn.Module, adapter_id: str) -> dict[str, nn.Parame
 # ----------------------------------------------------------------------------------- PEFT files
 
 
-def peft_config_dict(spec: LoraSpec, target_modules: list[str], base_model_name: str) -> dict:
-    """An ``adapter_config.json`` body that peft's LoraConfig accepts (only fields it knows)."""
-    return {
-        "alpha_pattern": {},
-        "base_model_name_or_path": base_model_name or None,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "init_lora_weights": True,
-        "layers_pattern": None,
-        "layers_to_transform": None,
-        "lora_alpha": spec.alpha,
-        "lora_dropout": 0.0,
-        "modules_to_save": None,
-        "peft_type": "LORA",
-        "r": spec.rank,
-        "rank_pattern": {},
-        "revision": None,
-        "target_modules": sorted(target_modules),
-        "task_type": "CAUSAL_LM",
-        "use_dora": False,
-        "use_rslora": False,
-    }
-
-
 def save_adapter(
     model: nn.Module,
     adapter_id: str,
@@ -343,107 +319,6 @@ def save_adapter(
         {layer.target_name for layer in lora_layers(model) if adapter_id in layer.adapters}
     )
     return write_adapter_files(directory, params, spec, used, base_model_name)
-
-
-def write_adapter_files(
-    directory: str | Path,
-    tensors: Mapping[str, torch.Tensor],
-    spec: LoraSpec,
-    targets: list[str],
-    base_model_name: str = "",
-) -> list[Path]:
-    """``adapter_model.safetensors`` (float32, PEFT names) + ``adapter_config.json`` for
-    ``targets`` (short module names) into an existing ``directory``; returns their paths."""
-    directory = Path(directory)
-    tensors = {
-        k: t.detach().to("cpu", torch.float32).contiguous().clone() for k, t in tensors.items()
-    }
-    weights_path = directory / ADAPTER_WEIGHTS_NAME
-    save_file(tensors, str(weights_path), metadata={"format": "pt"})
-    config_path = directory / ADAPTER_CONFIG_NAME
-    body = peft_config_dict(spec, sorted(targets), base_model_name)
-    config_path.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return [weights_path, config_path]
-
-
-def read_adapter_config(directory: str | Path, seed: int = 0) -> LoraSpec:
-    """Parse ``adapter_config.json`` into a LoraSpec; CheckpointError if we cannot honour it."""
-    path = Path(directory) / ADAPTER_CONFIG_NAME
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(f"{path}: not a LoRA adapter config")
-    unsupported = [
-        k
-        for k, ok in (
-            ("use_dora", not cfg.get("use_dora")),
-            ("use_rslora", not cfg.get("use_rslora")),
-            ("rank_pattern", not cfg.get("rank_pattern")),
-            ("alpha_pattern", not cfg.get("alpha_pattern")),
-            ("bias", cfg.get("bias", "none") == "none"),
-            ("modules_to_save", not cfg.get("modules_to_save")),
-            ("fan_in_fan_out", not cfg.get("fan_in_fan_out")),
-        )
-        if not ok
-    ]
-    if unsupported:
-        raise CheckpointError(f"{path}: unsupported LoRA options: {', '.join(unsupported)}")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str):
-        targets = [*ATTN_TARGETS, *MLP_TARGETS] if targets == "all-linear" else None
-    known = set(ATTN_TARGETS) | set(MLP_TARGETS) | set(UNEMBED_TARGETS) | set(VISION_TARGETS)
-    if not targets or not set(targets) <= known:
-        raise CheckpointError(f"{path}: target_modules {cfg.get('target_modules')!r} not supported")
-    try:
-        rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path}: missing or invalid r / lora_alpha") from None
-    # Tinker's switches are per group; a config naming part of a group cannot be represented.
-    groups = [set(ATTN_TARGETS), set(MLP_TARGETS), set(UNEMBED_TARGETS), set(VISION_TARGETS)]
-    flags = []
-    for group in groups:
-        chosen = group & set(targets)
-        if chosen and chosen != group:
-            raise CheckpointError(
-                f"{path}: target_modules must name all of {sorted(group)} or none"
-            )
-        flags.append(bool(chosen))
-    return LoraSpec(
-        rank=rank,
-        alpha=alpha,
-        train_attn=flags[0],
-        train_mlp=flags[1],
-        train_unembed=flags[2],
-        train_vision=flags[3],
-        seed=seed,
-    )
-
-
-def read_adapter_tensors(
-    directory: str | Path, shapes: dict[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
-    """The tensors of ``adapter_model.safetensors``, checked to be exactly the names and shapes
-    in ``shapes`` (CheckpointError naming the first mismatch)."""
-    path = Path(directory) / ADAPTER_WEIGHTS_NAME
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise CheckpointError(f"cannot read {path}: {e}") from None
-    missing = sorted(set(shapes) - set(tensors))
-    unexpected = sorted(set(tensors) - set(shapes))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: tensors do not match the adapter "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    for key, shape in shapes.items():
-        if tuple(tensors[key].shape) != tuple(shape):
-            raise CheckpointError(
-                f"{path}: {key} has shape {tuple(tensors[key].shape)}, expected {tuple(shape)}"
-            )
-    return tensors
 
 
 def load_adapter_weights(model: nn.Module, adapter_id: str, directory: str | Path) -> None:

@@ -47,7 +47,7 @@ from typing import Any
 
 from engine.backends.adapter_cache import AdapterDirCache
 from engine.backends.base import SamplingBackend, TokenListener
-from engine.backends.lora import ADAPTER_WEIGHTS_NAME, read_adapter_config
+from engine.backends.peft_files import ADAPTER_WEIGHTS_NAME, read_adapter_config
 from engine.backends.sample_checks import validate_sample_input
 from engine.errors import (
     BackendError,

@@ -76,9 +76,7 @@ def test_signed_download_urls(env):
     with session_scope(client.app.state.db_engine) as s:
         row = s.get(CheckpointRow, row_id)
         past = int(time.time()) - 5
-        sig = _signature(
-            client.app.state.secrets.url_signing, row, "adapter_config.json", past
-        )
+        sig = _signature(client.app.state.secrets.url_signing, row, "adapter_config.json", past)
     expired = client.get(f"{url.path}?{urlencode({'expires': past, 'sig': sig})}", headers=anon)
     assert expired.status_code == 410 and "expired" in expired.json()["error"]["message"]
 

@@ -19,7 +19,7 @@ def _adapter(root: Path, name: str, payload: bytes = b"w") -> str:
 
 
 def test_weights_file_is_the_peft_one() -> None:
-    from engine.backends.lora import ADAPTER_WEIGHTS_NAME
+    from engine.backends.peft_files import ADAPTER_WEIGHTS_NAME
 
     assert WEIGHTS_FILE == ADAPTER_WEIGHTS_NAME
 

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from engine.backends import checkpoint_io as ckpt
-from engine.backends.lora import (
+from engine.backends.lora import target_module_names
+from engine.backends.peft_files import (
     read_adapter_config,
     read_adapter_tensors,
-    target_module_names,
     write_adapter_files,
 )
 from engine.backends.train_common import (
