@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 
 from engine.errors import CheckpointError
 
-#: the PEFT weights file whose stat keys an entry (= engine.backends.peft_files.ADAPTER_WEIGHTS_NAME)
+#: the PEFT weights file whose stat keys an entry (= peft_files.ADAPTER_WEIGHTS_NAME)
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 V = TypeVar("V")
