@@ -13,6 +13,7 @@ DB URL) are `gateway.settings`.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -329,8 +330,11 @@ def _check_folder(name: str, folder: Path) -> Path:
     return folder
 
 
+@functools.cache
 def cached_dir(name: str) -> Path:
-    """The model's folder in the local cache, without any network; ConfigError if absent."""
+    """The model's folder in the local cache, without any network; ConfigError if absent.
+    Remembered per name (the gateway asks on every encode; `twinkle serve` resolved it before
+    any replica started, and a failure is not remembered)."""
     return _resolve(name, local_only=True)
 
 

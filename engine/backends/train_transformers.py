@@ -283,8 +283,12 @@ class TransformersTrainingBackend(TrainingBackend):
             if not jobs[j].req.disable_lora:
                 segments.append((jobs[j].adapter_id, start, start + n))
             start += n
-        patches = [0 if d.vision is None else d.vision.pixel_values.shape[0] for d in datums]
-        with lora_routing(self.model, segments, patches if self.vision else ()):
+        patches = (
+            [0 if d.vision is None else d.vision.pixel_values.shape[0] for d in datums]
+            if self.vision
+            else ()
+        )
+        with lora_routing(self.model, segments, patches):
             logp = self._logprobs(datums)
         total: torch.Tensor | None = None
         start = 0

@@ -56,12 +56,12 @@ def _run(code: str, cache: Path, data_dir: Path) -> dict:
 
 
 RESOLVE = """
-import json, sys
+import json
 from engine.base_models.registry import resolve_model_dir
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 out = {}
-for name in sys.argv[1:] if len(sys.argv) > 1 else NAMES:
+for name in NAMES:
     try:
         out[name] = {"dir": str(resolve_model_dir(name, DATA)),
                      "files_dir": str(ModelConfig(name=name).files_dir(DATA))}
