@@ -188,6 +188,16 @@ class DatumInput:
 #: Tinker's routes; a request of one is never sliced (the loss couples all of its rows).
 EMBEDDING_LOSS_FNS = ("infonce",)
 
+#: Tinker loss names we refuse (a 400 at submission, naming ``loss_fn``), with what to do instead
+REFUSED_LOSS_FNS = {
+    "stable_reinforce": (
+        "Tinker has not published this loss's objective (it reads stability info that its "
+        "sampler records, in an undocumented form), so no other server can compute the same "
+        "loss; train with 'ppo' (clipped, stable on off-policy data), 'cispo' or 'gspo' "
+        "instead (tinker-cookbook: loss_fn=ppo)"
+    ),
+}
+
 
 @dataclass
 class ForwardBackwardInput:

@@ -16,6 +16,14 @@ Notation: ``lp`` = learner log p of target_tokens [N], ``old`` = ``loss_fn_input
   defaults 0.8 / 1.2.
 * ``cispo``: ``-sum(stopgrad(clamp(ratio, low, high)) * lp * A)``; defaults 0.0 / 4.0.
 * ``dro``: ``-sum(lp * A - 0.5 * beta * (lp - old) ** 2)``; ``beta`` default 0.05.
+* ``gspo`` (GSPO-token, Tinker's docs): per datum, ``s = exp(mean over M of (lp - old))`` where M
+  is the tokens with ``sequence_ratio_mask != 0``; every token's ratio carries ``s``'s value and
+  its own lp's gradient (``exp(log s + lp - stopgrad(lp))``, log s from stopgrad(lp)); then PPO's
+  clipped min with A. Clip defaults 0.8 / 1.2 (Tinker's PPO values; its gspo page gives none).
+  A datum whose mask marks no token is refused (the mean would be NaN).
+* ``stable_reinforce`` is refused with what to use instead: Tinker has not published its
+  objective (it reads undocumented stability info recorded at sampling time), so no server can
+  promise the same loss curve.
 * ``dpo``: datums are (chosen, rejected) pairs in batch order; ``s = sum(lp * weights)`` per datum,
   ``r`` the same with the reference logprobs (``loss_fn_inputs["ref_logprobs"]``, else the base
   model's). ``-sum_pairs logsigmoid(beta * ((s_c - r_c) - (s_r - r_r))) + sft_weight *
@@ -70,6 +78,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import UserInputError
+from engine.protocol import REFUSED_LOSS_FNS
 
 if TYPE_CHECKING:
     from engine.backends.train_batching import Request
@@ -122,6 +131,21 @@ def dro(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, beta: float) -> 
     return -(lp * adv - 0.5 * beta * (lp - old) ** 2)
 
 
+def gspo(
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    low: float,
+    high: float,
+) -> torch.Tensor:
+    """Per-token GSPO-token loss of one datum: the sequence ratio over ``mask != 0`` for every
+    token's value, each token's own gradient, PPO's clipped min with A."""
+    log_s = (lp.detach() - old)[mask != 0].mean()
+    ratio = torch.exp(log_s + lp - lp.detach())
+    return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+
+
 def sequence_logprob(lp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum(lp * weights)``: log p of the weighted (response) tokens of one datum."""
     return (lp * weights).sum()
@@ -163,10 +187,20 @@ class LossSpec:
     top_k: bool = False  # accepts [N, K] target_tokens / weights
     paired: bool = False  # datums come in (chosen, rejected) pairs
     embedding: bool = False  # over pooled sentence embeddings; datums carry ``anchor``, no targets
+    #: (float inputs of one datum, field prefix) → raises UserInputError; checks beyond shapes
+    check: Callable[[Mapping[str, np.ndarray], str], None] | None = None
 
 
 def _clip(cfg: Mapping[str, float]) -> tuple[float, float]:
     return cfg["clip_low_threshold"], cfg["clip_high_threshold"]
+
+
+def _some_masked(x: Mapping[str, np.ndarray], field: str) -> None:
+    if not np.any(x["sequence_ratio_mask"] != 0):
+        raise UserInputError(
+            f"{field}.sequence_ratio_mask: marks no token (all zeros); gspo's sequence ratio is "
+            "the mean log-ratio over the marked tokens, usually the sampled ones"
+        )
 
 
 LOSSES: dict[str, LossSpec] = {
@@ -202,6 +236,15 @@ LOSSES: dict[str, LossSpec] = {
             per_token=lambda lp, x, cfg: dro(lp, x["logprobs"], x["advantages"], cfg["beta"]),
         ),
         LossSpec(
+            "gspo",
+            inputs=("logprobs", "advantages", "sequence_ratio_mask"),
+            config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+            per_token=lambda lp, x, cfg: gspo(
+                lp, x["logprobs"], x["advantages"], x["sequence_ratio_mask"], *_clip(cfg)
+            ),
+            check=_some_masked,
+        ),
+        LossSpec(
             "dpo",
             optional=("weights", "ref_logprobs"),
             config={
@@ -228,6 +271,8 @@ EMBEDDING_LOSSES = tuple(sorted(n for n, s in LOSSES.items() if s.embedding))
 
 def get_loss(name: object) -> LossSpec:
     """The spec of ``name``; UserInputError listing the known losses otherwise (no fallback)."""
+    if isinstance(name, str) and name in REFUSED_LOSS_FNS:
+        raise UserInputError(f"loss_fn: {name!r} is not offered: {REFUSED_LOSS_FNS[name]}")
     spec = LOSSES.get(name) if isinstance(name, str) else None
     if spec is None:
         raise UserInputError(f"unknown loss_fn {name!r}; known: {', '.join(KNOWN_LOSSES)}")

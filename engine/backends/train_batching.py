@@ -176,6 +176,8 @@ def _datum(
                 raise UserInputError(f"{field}.{name}: required by loss_fn {loss.name!r}")
             continue
         inputs[name] = _as_float_array(lfi[name], f"{field}.{name}", (n,), n)
+    if loss.check is not None:
+        loss.check(inputs, field)
     return Datum(
         toks, tgt.reshape(n, -1), wa.reshape(n, -1), inputs, two_d=tgt.ndim == 2, vision=vis
     )

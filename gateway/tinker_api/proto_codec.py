@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.protocol import (
     EMBEDDING_LOSS_FNS,
+    REFUSED_LOSS_FNS,
     DatumInput,
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -141,6 +142,10 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackwardInput
             f"loss_fn: {loss_fn!r} is not a Tinker loss; embedding training is available through "
             "the Twinkle native API only (set_loss('InfonceLoss'), forward_backward(task="
             "'embedding'))"
+        )
+    if loss_fn in REFUSED_LOSS_FNS:
+        raise InvalidRequestError(
+            f"loss_fn: {loss_fn!r} is not offered: {REFUSED_LOSS_FNS[loss_fn]}"
         )
     inp = ForwardBackwardInput(
         data=data,

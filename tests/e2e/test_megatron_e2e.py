@@ -32,7 +32,7 @@ pytest.importorskip("megatron.core")
 
 MG = "twinkle/tiny-chat"  # the built-in model, on the Megatron backend (TP=2)
 TF = "tiny-transformers"  # the same folder on the Transformers backend
-LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,7 @@ def _rl_data(seed: int) -> list[types.Datum]:
                     "weights": rng.uniform(0.2, 1.5, n).tolist(),
                     "logprobs": (-rng.uniform(5.0, 8.0, n)).tolist(),
                     "advantages": rng.normal(0.0, 1.0, n).tolist(),
+                    "sequence_ratio_mask": [0.0] * (n // 2) + [1.0] * (n - n // 2),
                 },
             )
         )
@@ -90,8 +91,11 @@ def _rl_data(seed: int) -> list[types.Datum]:
 
 
 def _inputs_for(loss: str, data: list[types.Datum]) -> list[types.Datum]:
-    """Cross entropy takes targets and weights; the RL losses targets, logprobs, advantages."""
+    """Cross entropy takes targets and weights; the RL losses targets, logprobs, advantages (and
+    gspo its sequence_ratio_mask)."""
     drop = {"logprobs", "advantages"} if loss == "cross_entropy" else {"weights"}
+    if loss != "gspo":
+        drop.add("sequence_ratio_mask")
     return [
         types.Datum(
             model_input=d.model_input,

@@ -131,10 +131,11 @@ def test_named_sampler_weights_and_checkpoint_listing(server, api_key, service):
     assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
 
 
-@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro"])
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro", "gspo"])
 def test_rl_losses_through_the_sdk(service, loss_fn):
     """An RL step built from sampled completions: sample, then train on them with the sampler's
-    logprobs and advantages."""
+    logprobs and advantages (gspo: its sequence ratio over the sampled tokens, as the cookbook's
+    rl_loop builds it)."""
     tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = SEQS[3][:4]
@@ -158,6 +159,11 @@ def test_rl_losses_through_the_sdk(service, loss_fn):
                 },
             )
         )
+        if loss_fn == "gspo":
+            mask = [0.0] * n_prompt + [1.0] * len(seq.tokens)
+            data[-1].loss_fn_inputs["sequence_ratio_mask"] = types.TensorData.from_numpy(
+                np.asarray(mask, np.float32)
+            )
     out = tc.forward_backward(data, loss_fn).result()
     assert math.isfinite(out.metrics["loss:sum"])
     # the learner's logprobs of the sampled tokens equal the sampler's (same weights, B = 0)
@@ -166,6 +172,25 @@ def test_rl_losses_through_the_sdk(service, loss_fn):
         np.testing.assert_allclose(lp, seq.logprobs, atol=1e-4)
     step = tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     assert step.metrics["grad_norm"] > 0
+
+
+def test_stable_reinforce_is_refused_with_what_to_use_instead(service):
+    """stable_reinforce's objective is unpublished: a 400 at submission naming loss_fn and the
+    losses to use instead, and the session keeps training."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=6).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(SEQS[0][:-1]),
+        loss_fn_inputs={
+            "target_tokens": SEQS[0][1:],
+            "logprobs": [0.0] * (len(SEQS[0]) - 1),
+            "advantages": [1.0] * (len(SEQS[0]) - 1),
+        },
+    )
+    with pytest.raises(
+        tinker.RequestFailedError, match="loss_fn: .stable_reinforce. is not offered"
+    ):
+        tc.forward_backward([datum], "stable_reinforce").result()
+    assert math.isfinite(tc.forward_backward([datum], "ppo").result().metrics["loss:sum"])
 
 
 def test_topk_and_last_n_prompt_logprobs_through_the_sdk(service):

@@ -44,10 +44,10 @@ IDS = tuple(f"r{r}" for r in RANKS)
 VOCAB = 2048
 
 
-TOKEN_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+TOKEN_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 
 
-CLIP = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+CLIP = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0), "gspo": (0.8, 1.2)}
 
 
 def merged_f64(model_dir: Path, be, aid: str | None) -> nn.Module:
@@ -84,6 +84,13 @@ def away_from(delta: np.ndarray, rng, points: tuple[float, ...], width: float = 
     return delta
 
 
+def gspo_log_ratios(rng, log_ratio: np.ndarray, mask, lo: float, hi: float) -> np.ndarray:
+    """Shift a datum's log-ratios so their mean over the mask (gspo's log sequence ratio) is not
+    within 2e-3 of a clip point (float32 vs float64 cannot flip the branch)."""
+    mean = np.array([log_ratio[mask != 0].mean()])
+    return log_ratio + (away_from(mean.copy(), rng, (np.log(hi), np.log(lo))) - mean)[0]
+
+
 def make_data(rng, loss: str, model: nn.Module, n_datums: int) -> tuple[list[DatumInput], list]:
     """Random datums for ``loss`` and their float64 learner logprobs under ``model``."""
     data, lps = [], []
@@ -100,6 +107,11 @@ def make_data(rng, loss: str, model: nn.Module, n_datums: int) -> tuple[list[Dat
             lo, hi = CLIP.get(loss, (0.8, 1.2))
             spread = (-0.6, 1.6) if loss == "cispo" else (-0.4, 0.4)
             log_ratio = away_from(rng.uniform(*spread, n), rng, (np.log(hi), np.log(max(lo, 1e-9))))
+            if loss == "gspo":  # a datum offset, so some sequences clip, and a random mask
+                mask = (rng.random(n) < 0.6).astype(np.float32)
+                mask[int(rng.integers(0, n))] = 1.0
+                log_ratio = gspo_log_ratios(rng, rng.uniform(-0.5, 0.5) + log_ratio, mask, lo, hi)
+                lfi["sequence_ratio_mask"] = mask
             lfi["logprobs"] = (lp - log_ratio).astype(np.float32)  # ratio = exp(lp - old)
             lfi["advantages"] = rng.normal(size=n).astype(np.float32)
         data.append(DatumInput(tokens=tokens, loss_fn_inputs=lfi))
@@ -149,6 +161,10 @@ def reference(loss: str, data: list[DatumInput], lps: list, cfg: dict, base=None
         elif loss == "dro":
             beta = cfg.get("beta", 0.05)
             per.append(-(lp * adv - 0.5 * beta * (lp - old) ** 2))
+        elif loss == "gspo":  # Tinker's docs: the sequence ratio over the mask, PPO's clipped min
+            lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+            s = np.exp(np.mean((lp - old)[x["sequence_ratio_mask"] != 0]))
+            per.append(-np.minimum(s * adv, np.clip(s, lo, hi) * adv))
     return per, float(sum(p.sum() for p in per)), {}
 
 
@@ -172,6 +188,8 @@ CONFIGS = [
     ("cispo", {}),
     ("dro", {}),
     ("dro", {"beta": 0.5}),
+    ("gspo", {}),
+    ("gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": "1.05"}),
     ("dpo", {}),
     ("dpo", {"beta": 0.5, "sft_weight": 0.25}),
 ]

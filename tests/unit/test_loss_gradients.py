@@ -49,9 +49,13 @@ def refs(tiny_model_dir: Path, be) -> dict[str | None, nn.Module]:
     return {aid: merged_f64(tiny_model_dir, be, aid) for aid in (*IDS, None)}
 
 
-def analytic_grad(loss: str, lp, old, adv, cfg) -> np.ndarray:
+def analytic_grad(loss: str, lp, old, adv, cfg, mask=None) -> np.ndarray:
     """d loss / d lp of one token, from the formula by hand (float64)."""
     ratio = np.exp(lp - old)
+    if loss == "gspo":  # every token: the sequence ratio s, with d s_t / d lp_t = s
+        s = np.exp(np.mean((lp - old)[mask != 0]))
+        lo, hi = cfg
+        return np.where(np.where(adv >= 0, s < hi, s > lo), -s * adv, 0.0)
     if loss == "cross_entropy":
         return -adv  # (adv plays the weights)
     if loss == "importance_sampling":
@@ -75,14 +79,16 @@ def test_gradient_wrt_logprobs_matches_formula(rng, loss) -> None:
     old = (lp - log_ratio).astype(np.float32).astype(np.float64)
     adv = rng.normal(size=n).astype(np.float32).astype(np.float64)
     x = torch.tensor(lp, dtype=torch.float32, requires_grad=True)
+    mask = (rng.random(n) < 0.5).astype(np.float64)
     inputs = {
+        "sequence_ratio_mask": torch.tensor(mask, dtype=torch.float32),
         "logprobs": torch.tensor(old, dtype=torch.float32),
         "advantages": torch.tensor(adv, dtype=torch.float32),
         "weights": torch.tensor(adv, dtype=torch.float32),
     }
     spec = LOSSES[loss]
     spec.per_token(x, inputs, dict(spec.config)).sum().backward()
-    want = analytic_grad(loss, lp, old, adv, (lo, hi))
+    want = analytic_grad(loss, lp, old, adv, (lo, hi), mask)
     np.testing.assert_allclose(x.grad.numpy(), want, atol=1e-5, rtol=1e-5, err_msg=f"seed {SEED}")
     if loss == "ppo":  # both branches exercised
         assert (want == 0).sum() > 20 and (want != 0).sum() > 20
@@ -90,7 +96,7 @@ def test_gradient_wrt_logprobs_matches_formula(rng, loss) -> None:
         assert (np.exp(log_ratio) > hi).sum() > 20
 
 
-@pytest.mark.parametrize("loss", ["ppo", "cispo"])
+@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo"])
 def test_adapter_gradient_equals_cross_entropy_with_formula_weights(be, refs, rng, loss) -> None:
     """End to end: the adapter gradient of an RL loss equals that of cross_entropy with
     weights = -dL/dlp (the chain rule), dL/dlp taken from the float64 formula."""
@@ -102,7 +108,9 @@ def test_adapter_gradient_equals_cross_entropy_with_formula_weights(be, refs, rn
         ce = []
         for d, lp in zip(data, lps, strict=True):
             x = d.loss_fn_inputs
-            g = analytic_grad(loss, lp, x["logprobs"], x["advantages"], CLIP[loss])
+            g = analytic_grad(
+                loss, lp, x["logprobs"], x["advantages"], CLIP[loss], x.get("sequence_ratio_mask")
+            )
             ce.append(DatumInput(d.tokens, {"target_tokens": x["target_tokens"], "weights": -g}))
         ce_items.append((aid, ForwardBackwardInput(data=ce)))
 

@@ -150,9 +150,17 @@ def test_disable_lora_gives_base_logprobs(tiny_model_dir: Path, be, refs, rng, f
             (),
             {},
             2,
-            "unknown loss_fn 'nope'; known: cispo, cross_entropy, dpo, dro, "
+            "unknown loss_fn 'nope'; known: cispo, cross_entropy, dpo, dro, gspo, "
             "importance_sampling, ppo",
         ),
+        (
+            "gspo",
+            (),
+            {},
+            2,
+            "data[0].loss_fn_inputs.sequence_ratio_mask: required by loss_fn 'gspo'",
+        ),
+        ("stable_reinforce", (), {}, 2, "loss_fn: 'stable_reinforce' is not offered: Tinker has"),
         (
             "ppo",
             ("advantages",),
@@ -190,6 +198,16 @@ def test_loss_input_errors_name_the_field(be, rng, loss, lfi_drop, cfg, n, messa
     [err] = be.forward_backward_many([("r4", ForwardBackwardInput(data, loss, cfg))])
     assert isinstance(err, UserInputError) and message in str(err), str(err)
     assert not be.has_pending_grad("r4")
+
+
+def test_gspo_mask_that_marks_no_token_is_refused(be, rng) -> None:
+    data, _ = make_data(rng, "gspo", _Zero(), 2)
+    data[1].loss_fn_inputs["sequence_ratio_mask"][:] = 0.0
+    with pytest.raises(
+        UserInputError, match=r"data\[1\].loss_fn_inputs.sequence_ratio_mask: marks no"
+    ):
+        be.forward_backward("r2", ForwardBackwardInput(data, "gspo"))
+    assert not be.has_pending_grad("r2")
 
 
 def test_wrong_shape_advantages_and_two_d_targets_for_rl(be, rng) -> None:
