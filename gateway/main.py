@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics, MetricsMiddleware, metrics_router
 from gateway.middleware import IdempotencyKeyMiddleware, RequestHeadersMiddleware
 from gateway.quotas import build_quotas
 from gateway.runs.expiry import sweep_forever
+from gateway.runs.request_log import RequestLog
 from gateway.settings import Secrets, Settings
 from gateway.tinker_api import (
     checkpoints,
@@ -39,6 +40,8 @@ from gateway.tinker_api import (
     sampling,
     saves,
     session_queries,
+    session_search,
+    session_traces,
     sessions,
     training,
 )
@@ -61,6 +64,8 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
             shared=redis_url is not None,
         )
         app.state.futures.job_runner = lambda job: jobs.runner(engine_client, job)
+        app.state.futures.on_finish = RequestLog(app.state.db_engine).record
+        app.state.trace_builds = {}  # session id → the task building its trace file
         await app.state.futures.start()
         app.state.quotas = build_quotas(config, app.state.db_engine, redis_url)
         if app.state.metrics is not None:
@@ -120,7 +125,9 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         app.include_router(metrics_router(config.gateway.metrics_require_admin))
     # exports / checkpoints before runs: their .../{checkpoint_id:path}/publish|ttl|... routes
     # must be tried before runs' DELETE .../{checkpoint_id:path}.
-    for module in (sessions, session_queries, training, saves, exports, sampling, retrieve, compat):
+    for module in (sessions, session_search, session_queries, session_traces, training, saves):
+        app.include_router(module.router)
+    for module in (exports, sampling, retrieve, compat):
         app.include_router(module.router)
     for module in (checkpoints, runs, openai_api, twinkle_api):
         app.include_router(module.router)

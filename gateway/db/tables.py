@@ -5,7 +5,8 @@ Tinker state: users, API keys, sessions, training runs, checkpoints, samplers. H
 state (migration ``0002_accounts``): organizations (``users.org_id``), quota limits (one named
 limit for an org, ``subject_type="org"``, or a user override, ``subject_type="user"``), the usage
 ledger (hourly buckets per hour, user, session, base model, kind) and the audit log (a key's
-display prefix at most, never the key).
+display prefix at most, never the key). Session traces (``0004_request_traces``): one row per
+finished request of a session (kind, target, times, status; never a payload).
 
 These are neither wire schemas nor engine types. Timestamps are stored as naive UTC: every
 timestamp column is annotated ``NaiveDatetime`` because sqlmodel >= 0.0.50 maps a plain ``datetime``
@@ -222,3 +223,24 @@ class AuditEventRow(SQLModel, table=True):
     actor_user_id: int | None = None
     actor_key_prefix: str | None = Field(default=None, max_length=16)
     details: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+
+class RequestTraceRow(SQLModel, table=True):
+    """One finished request of a session, for its trace export: what ran (``kind``:
+    forward_backward, optim_step, sample, save...), on which model or sampler (``target``), when
+    it was submitted and finished (UNIX seconds), and how it ended. Never a payload, a key or a
+    result: ``error`` is the failed future's message (at most 300 characters)."""
+
+    __tablename__ = "request_traces"  # pyright: ignore[reportAssignmentType]
+
+    id: int | None = Field(default=None, primary_key=True)
+    session_id: str = Field(index=True, max_length=64)
+    user_id: int = Field(index=True)
+    request_id: str = Field(max_length=64)
+    kind: str = Field(max_length=32)
+    target: str = Field(max_length=128)
+    submitted: float = Field(sa_column=Column(Float, nullable=False))
+    finished: float = Field(sa_column=Column(Float, nullable=False))
+    status: str = Field(max_length=16)  # "ok" | "failed"
+    error_category: str | None = Field(default=None, max_length=16)
+    error: str | None = Field(default=None, max_length=300)

@@ -36,6 +36,7 @@ class FutureRecord:
     user_id: int
     kind: str
     created: float = field(default_factory=time.monotonic)
+    submitted_at: float = field(default_factory=time.time)  # wall clock, for session traces
     done: asyncio.Event = field(default_factory=asyncio.Event)
     finished_at: float | None = None
     json_result: dict[str, Any] | None = None

@@ -74,6 +74,9 @@ class FutureStore:
         self._lease_task: asyncio.Task | None = None
         #: builds the coroutine of a job (set by the app: it needs the engine client)
         self.job_runner: Callable[[list], Callable[[], Awaitable[Result]]] | None = None
+        #: awaited once a future that carries ``extra["trace"]`` finishes (set by the app: it
+        #: writes the session trace row, gateway/runs/request_log.py)
+        self.on_finish: Callable[[FutureRecord], Awaitable[None]] | None = None
         self.takeovers = 0
 
     def pending_count(self) -> int:
@@ -316,6 +319,11 @@ class FutureStore:
         rec.finished_at = time.monotonic()
         rec.done.set()
         await self._mirror(rec)
+        if self.on_finish is not None and rec.extra.get("trace"):
+            try:
+                await self.on_finish(rec)
+            except Exception:  # a trace row is best effort; the future has its result already
+                log.exception("could not record future %s in its session trace", rec.request_id)
 
     async def wait(self, rec: FutureRecord, timeout: float) -> FutureRecord | None:
         """Wait up to ``timeout`` seconds; the finished record, or None if still running. A record

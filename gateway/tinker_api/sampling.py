@@ -12,6 +12,7 @@ from gateway.futures.store import fingerprint
 from gateway.images import check_images, json_image_chunk
 from gateway.quotas.concurrency import SamplingLimiter, SamplingLimiterDep
 from gateway.runs.checkpoints import readable_checkpoint
+from gateway.runs.request_log import trace_tag
 from gateway.tinker_api.proto_codec import encode_sample_output, target_ids_from_wire
 from gateway.tinker_api.schemas import (
     CreateSamplingSessionRequest,
@@ -125,8 +126,10 @@ def _prompt(req: SampleRequest) -> tuple[list[int], list[ImagePart]]:
 @router.post("/asample", **returns(SampleFutureResponse))
 async def asample(req: SampleRequest, t: TinkerDep, limiter: SamplingLimiterDep) -> dict:
     """Sample from a sampling session (or a base model / checkpoint path); protobuf result."""
+    trace = None
     if req.sampling_session_id:
         row = owned_sampler(t.db, t.who, req.sampling_session_id)
+        trace = trace_tag(row.session_id, row.id)
         base, adapter_dir = row.base_model, row.adapter_dir
         if row.model_path and adapter_dir is None:
             base, adapter_dir, _ = _resolve_target(t.db, t.who, t.config, None, row.model_path)
@@ -140,7 +143,7 @@ async def asample(req: SampleRequest, t: TinkerDep, limiter: SamplingLimiterDep)
 
     async def prepare() -> Prepared:
         run = await _sample_run(t, limiter, req, base, adapter_dir)
-        return run, {"sequence_ids": []}
+        return run, {"sequence_ids": [], "trace": trace}
 
     rec = await submit_once(t, idem, fp, "sample", prepare)
     if not rec.extra["sequence_ids"]:  # a new future (a retry's record has them already)

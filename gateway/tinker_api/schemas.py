@@ -263,8 +263,9 @@ class AssignProjectResponse(BaseModel):
 
 
 class TraceExportResponse(BaseModel):
-    status: str
-    error: str
+    status: Literal["pending", "ready", "failed"]
+    url: str | None = None
+    error: str | None = None
 
 
 class ModelData(BaseModel):

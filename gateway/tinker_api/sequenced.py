@@ -40,6 +40,7 @@ from gateway.engine_client import EngineClient
 from gateway.errors import InvalidRequestError, PayloadTooLargeError, QuotaExceededError
 from gateway.futures.store import FutureRecord, FutureStore
 from gateway.quotas import Quotas, QuotasDep
+from gateway.runs.request_log import trace_tag
 from gateway.settings import Settings
 from gateway.tinker_api import jobs
 
@@ -132,7 +133,7 @@ async def submit_sequenced(
             job = await prepare()
         except (InvalidRequestError, QuotaExceededError, PayloadTooLargeError) as exc:
             job = in_order_rejection(t.engine, run, seq_id, str(exc))
-        return job, {"base_model": run.base_model}
+        return job, {"base_model": run.base_model, "trace": trace_tag(run.session_id, run.id)}
 
     return await submit_once(t, (run.id, seq_id), fp, kind, touch_and_prepare)
 

@@ -1,8 +1,7 @@
-"""Tinker REST endpoints over sessions (RestClient): list, get, assign a project, trace export.
+"""Tinker REST endpoints over sessions (RestClient): list, get, assign a project.
 
 Sessions are listed newest first, finished and expired ones included (their runs and samplers are
-still listed). Trace export is not supported: it answers ``status: failed`` with the reason, which
-the SDK raises as an error.
+still listed). Trace export: session_traces.py; search: session_search.py.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from gateway.tinker_api.schemas import (
     AssignProjectResponse,
     GetSessionResponse,
     ListSessionsResponse,
-    TraceExportResponse,
     WireRequest,
     returns,
 )
@@ -99,10 +97,3 @@ async def assign_session_project(
     db.add(row)
     db.commit()
     return {"session_id": row.id, "project_id": row.project_id}
-
-
-@router.get("/sessions/{session_id}/trace_export", **returns(TraceExportResponse))
-async def export_session_trace(session_id: str, who: PrincipalDep, db: DbDep) -> dict:
-    """Session trace export: not supported by this server (answers status failed)."""
-    _session(db, who, session_id)
-    return {"status": "failed", "error": "session trace export is not supported by this server"}

@@ -21,6 +21,7 @@ from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.futures.store import fingerprint
 from gateway.images import check_images
 from gateway.runs.checkpoints import readable_checkpoint
+from gateway.runs.request_log import trace_tag
 from gateway.tinker_api import compat, jobs
 from gateway.tinker_api.proto_codec import decode_forward_backward, image_token_count
 from gateway.tinker_api.schemas import (
@@ -111,7 +112,8 @@ async def create_model(req: CreateModelRequest, t: TinkerDep) -> dict:
         )
         await _add_run(t, run)
         job = jobs.create_adapter_job(req.base_model, model_id, spec, str(t.who.user_id))
-        return jobs.runner(t.engine, job), {"base_model": req.base_model}
+        extra = {"base_model": req.base_model, "trace": trace_tag(session.id, model_id)}
+        return jobs.runner(t.engine, job), extra
 
     rec = await submit_once(t, (model_id, 0), fp, "create_model", prepare)
     return future_json(rec, model_id)
@@ -296,7 +298,7 @@ async def load_weights(req: LoadWeightsRequest, t: TinkerDep) -> dict:
             ),
         )
         run = _load_state(t, source.base_model, model_id, None, ckpt.storage_dir, req)
-        return run, {"base_model": source.base_model}
+        return run, {"base_model": source.base_model, "trace": trace_tag(session_id, model_id)}
 
     rec = await submit_once(t, (model_id, 0), fp, "load_weights", prepare_new)
     return future_json(rec, model_id)

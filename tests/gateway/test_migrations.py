@@ -43,8 +43,10 @@ TABLES = {
     "quota_limits",
     "usage_buckets",
     "audit_events",
+    # 0004_request_traces
+    "request_traces",
 }
-HEAD = "0003_train_vision"
+HEAD = "0004_request_traces"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
