@@ -64,7 +64,8 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
             shared=redis_url is not None,
         )
         app.state.futures.job_runner = lambda job: jobs.runner(engine_client, job)
-        app.state.futures.on_finish = RequestLog(app.state.db_engine).record
+        request_log = RequestLog(app.state.db_engine)
+        app.state.futures.on_finish = request_log.record
         app.state.trace_builds = {}  # session id → the task building its trace file
         await app.state.futures.start()
         app.state.quotas = build_quotas(config, app.state.db_engine, redis_url)
@@ -89,6 +90,7 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
                 )
             ),
             loop.create_task(app.state.usage.run_storage_accrual()),
+            loop.create_task(request_log.run_flusher()),
         ]
         try:
             yield
@@ -98,6 +100,8 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
                 with contextlib.suppress(BaseException):
                     await task
             await app.state.futures.aclose()
+            with contextlib.suppress(Exception):
+                await request_log.flush()
             await app.state.kv.aclose()
             await app.state.quotas.aclose()
             app.state.db_engine.dispose()

@@ -1,8 +1,9 @@
 """Session traces: the per-session log of finished requests, and its Chrome / Perfetto trace.
 
-Owns `trace_tag` (what a submitted future carries so its end is logged), `RequestLog` (writes one
-`RequestTraceRow` per finished future that carries a tag, off the request path: the future
-store awaits it after the result is already visible), `chrome_trace` (the rows of one session as
+Owns `trace_tag` (what a submitted future carries so its end is logged), `RequestLog` (one
+`RequestTraceRow` per finished future that carries a tag, buffered and written every
+`FLUSH_S` seconds in one transaction: a per-request commit would put a DB write on every training
+step of every tenant), `chrome_trace` (the rows of one session as
 a Chrome trace-event JSON document, which https://ui.perfetto.dev and chrome://tracing open) and
 `build_trace_file` (writes it under ``<data_dir>/exports/traces/``).
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,9 +32,13 @@ from sqlmodel import Session, col, select
 from gateway.db.tables import RequestTraceRow, SessionRow
 from gateway.futures.record import FutureRecord
 
+log = logging.getLogger(__name__)
 #: error messages are cut to this many characters in a trace (a message names fields and rules;
 #: 300 is several lines of it)
 ERROR_CHARS = 300
+#: how often buffered trace rows are written; a trace build waits this long first, so it sees
+#: every request that finished before the export was asked for, on every gateway replica
+FLUSH_S = 1.0
 
 
 def trace_tag(session_id: str, target: str) -> dict[str, str]:
@@ -41,10 +48,12 @@ def trace_tag(session_id: str, target: str) -> dict[str, str]:
 
 
 class RequestLog:
-    """Writes the trace row of each finished, tagged future (`FutureStore.on_finish`)."""
+    """Buffers the trace row of each finished, tagged future (`FutureStore.on_finish`) and writes
+    them every `FLUSH_S` seconds (`run_flusher`) and at shutdown (`flush`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._rows: list[RequestTraceRow] = []
 
     async def record(self, rec: FutureRecord) -> None:
         tag = rec.extra.get("trace") or {}
@@ -63,11 +72,24 @@ class RequestLog:
             error_category=rec.category if rec.error is not None else None,
             error=None if rec.error is None else rec.error[:ERROR_CHARS],
         )
-        await asyncio.to_thread(self._write, row)
+        self._rows.append(row)
 
-    def _write(self, row: RequestTraceRow) -> None:
+    async def flush(self) -> None:
+        rows, self._rows = self._rows, []
+        if rows:
+            await asyncio.to_thread(self._write, rows)
+
+    async def run_flusher(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            try:
+                await self.flush()
+            except Exception:  # best effort: a trace must never take the gateway down
+                log.exception("could not write session trace rows")
+
+    def _write(self, rows: list[RequestTraceRow]) -> None:
         with Session(self.engine) as db:
-            db.add(row)
+            db.add_all(rows)
             db.commit()
 
 
@@ -129,7 +151,9 @@ def trace_path(data_dir: Path, session_id: str) -> Path:
 
 
 def build_trace_file(engine: Engine, data_dir: Path, session_id: str) -> Path:
-    """Write the session's current trace (atomically: readers never see half a file)."""
+    """Write the session's current trace (atomically: readers never see half a file), after
+    waiting out one flush of every replica's buffered rows."""
+    time.sleep(FLUSH_S * 1.5)
     with Session(engine) as db:
         session = db.get(SessionRow, session_id)
         if session is None:
