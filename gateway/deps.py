@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Query, Request
 from sqlmodel import Session
 
 from gateway.accounts.keys import Principal, PrincipalDep
@@ -45,6 +45,14 @@ def get_config(request: Request) -> ServerConfig:
 def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
+
+#: the largest integer a DB column or OFFSET holds (SQLite and Postgres: signed 64-bit). Ids and
+#: offsets from a path or query string are bounded by it, so a larger one is a 400 from validation
+#: instead of an OverflowError in the driver (a 500; found by fuzzing)
+DB_INT_MAX = 2**63 - 1
+#: a row id in a path / an optional one in a query string, bounded as above
+PathRowId = Annotated[int, Path(ge=0, le=DB_INT_MAX)]
+QueryRowId = Annotated[int | None, Query(ge=0, le=DB_INT_MAX)]
 
 DbDep = Annotated[Session, Depends(get_db)]
 EngineDep = Annotated[EngineClient, Depends(get_engine)]

@@ -23,7 +23,7 @@ from gateway.accounts.service import (
     revoke_key,
 )
 from gateway.db.tables import ApiKeyRow, OrganizationRow, UserRow, utcnow
-from gateway.deps import ConfigDep, DbDep, EngineDep
+from gateway.deps import ConfigDep, DbDep, EngineDep, PathRowId, QueryRowId
 from gateway.errors import ConflictError, NotFoundError
 
 router = APIRouter(prefix="/api/v1/admin", tags=["admin"])
@@ -106,7 +106,9 @@ def _org(db, org_id: int) -> OrganizationRow:
 
 
 @router.patch("/orgs/{org_id}")
-async def update_org(org_id: int, body: DisableUpdate, who: AdminPrincipalDep, db: DbDep) -> dict:
+async def update_org(
+    org_id: PathRowId, body: DisableUpdate, who: AdminPrincipalDep, db: DbDep
+) -> dict:
     org = _org(db, org_id)
     org.disabled_at = utcnow() if body.disabled else None
     db.add(org)
@@ -124,7 +126,7 @@ async def update_org(org_id: int, body: DisableUpdate, who: AdminPrincipalDep, d
 
 # -- users -----------------------------------------------------------------------------------
 @router.get("/users")
-async def list_users(who: AdminPrincipalDep, db: DbDep, org_id: int | None = None) -> dict:
+async def list_users(who: AdminPrincipalDep, db: DbDep, org_id: QueryRowId = None) -> dict:
     q = select(UserRow).order_by(col(UserRow.id))
     if org_id is not None:
         q = q.where(UserRow.org_id == org_id)
@@ -149,7 +151,9 @@ def _user(db, user_id: int) -> UserRow:
 
 
 @router.patch("/users/{user_id}")
-async def update_user(user_id: int, body: DisableUpdate, who: AdminPrincipalDep, db: DbDep) -> dict:
+async def update_user(
+    user_id: PathRowId, body: DisableUpdate, who: AdminPrincipalDep, db: DbDep
+) -> dict:
     user = _user(db, user_id)
     user.disabled_at = utcnow() if body.disabled else None
     db.add(user)
@@ -167,7 +171,7 @@ async def update_user(user_id: int, body: DisableUpdate, who: AdminPrincipalDep,
 
 # -- keys ------------------------------------------------------------------------------------
 @router.get("/keys")
-async def list_keys(who: AdminPrincipalDep, db: DbDep, user_id: int | None = None) -> dict:
+async def list_keys(who: AdminPrincipalDep, db: DbDep, user_id: QueryRowId = None) -> dict:
     q = select(ApiKeyRow, UserRow).join(UserRow, col(UserRow.id) == ApiKeyRow.user_id)
     if user_id is not None:
         q = q.where(ApiKeyRow.user_id == user_id)
@@ -190,7 +194,7 @@ async def create_api_key(body: KeyCreate, who: AdminPrincipalDep, db: DbDep) -> 
 
 
 @router.post("/keys/{key_id}/revoke")
-async def revoke_api_key(key_id: int, who: AdminPrincipalDep, db: DbDep) -> dict:
+async def revoke_api_key(key_id: PathRowId, who: AdminPrincipalDep, db: DbDep) -> dict:
     row = db.get(ApiKeyRow, key_id)
     if row is None:
         raise NotFoundError(f"key_id: key {key_id} not found")
@@ -206,7 +210,7 @@ async def admin_audit(
     db: DbDep,
     start: datetime | None = None,
     end: datetime | None = None,
-    org_id: int | None = None,
+    org_id: QueryRowId = None,
     event: list[str] | None = Query(None),
     limit: int = Query(1000, ge=1, le=10000),
 ) -> dict:

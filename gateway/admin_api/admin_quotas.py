@@ -13,7 +13,7 @@ from gateway.accounts.audit import record_event
 from gateway.accounts.keys import AdminPrincipalDep, Principal
 from gateway.accounts.usage import query
 from gateway.db.tables import OrganizationRow, UserRow
-from gateway.deps import DbDep
+from gateway.deps import DbDep, PathRowId, QueryRowId
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.quotas.limits import QUOTAS, SUBJECT_TYPES, limits_of, set_limit
@@ -46,7 +46,9 @@ async def quota_names(who: AdminPrincipalDep) -> dict:
 
 
 @router.get("/quotas/{subject_type}/{subject_id}")
-async def get_quotas(subject_type: str, subject_id: int, who: AdminPrincipalDep, db: DbDep) -> dict:
+async def get_quotas(
+    subject_type: str, subject_id: PathRowId, who: AdminPrincipalDep, db: DbDep
+) -> dict:
     _subject(db, subject_type, subject_id)
     return {
         "subject_type": subject_type,
@@ -57,7 +59,7 @@ async def get_quotas(subject_type: str, subject_id: int, who: AdminPrincipalDep,
 
 @router.put("/quotas/{subject_type}/{subject_id}")
 async def put_quotas(
-    subject_type: str, subject_id: int, body: QuotaUpdate, who: AdminPrincipalDep, db: DbDep
+    subject_type: str, subject_id: PathRowId, body: QuotaUpdate, who: AdminPrincipalDep, db: DbDep
 ) -> dict:
     org_id = _subject(db, subject_type, subject_id)
     for name, value in body.limits.items():
@@ -85,7 +87,9 @@ async def put_quotas(
 
 
 @router.get("/users/{user_id}/quota_usage")
-async def quota_usage(user_id: int, who: AdminPrincipalDep, db: DbDep, quotas: QuotasDep) -> dict:
+async def quota_usage(
+    user_id: PathRowId, who: AdminPrincipalDep, db: DbDep, quotas: QuotasDep
+) -> dict:
     user = db.get(UserRow, user_id)
     if user is None:
         raise NotFoundError(f"user_id: user {user_id} not found")
@@ -107,8 +111,8 @@ async def usage(
     db: DbDep,
     start: datetime,
     end: datetime,
-    org_id: int | None = None,
-    user_id: int | None = None,
+    org_id: QueryRowId = None,
+    user_id: QueryRowId = None,
 ) -> dict:
     rows = query(
         db,

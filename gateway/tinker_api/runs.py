@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query
 from sqlmodel import col, func, select
 
 from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow
-from gateway.deps import DbDep, PrincipalDep, owned_run
+from gateway.deps import DB_INT_MAX, DbDep, PrincipalDep, owned_run
 from gateway.errors import NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import SEGMENT_OF_KIND, delete_checkpoint, parse_path
@@ -100,7 +100,7 @@ async def list_training_runs(
     who: PrincipalDep,
     db: DbDep,
     limit: int = Query(20, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=DB_INT_MAX),
     access_scope: Scope = "owned",
     project_id: str | None = None,
 ) -> dict:
@@ -147,7 +147,9 @@ async def list_run_checkpoints(
     who: PrincipalDep,
     db: DbDep,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,  # plain defaults: the native API
-    offset: Annotated[int, Query(ge=0)] = 0,  # (gateway/twinkle_api) calls this directly
+    offset: Annotated[
+        int, Query(ge=0, le=DB_INT_MAX)
+    ] = 0,  # (gateway/twinkle_api) calls this directly
 ) -> dict:
     """The checkpoints of a training run you can see, oldest first."""
     purge_expired_checkpoints(db)
@@ -181,7 +183,7 @@ async def list_user_checkpoints(
     who: PrincipalDep,
     db: DbDep,
     limit: int = Query(100, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=DB_INT_MAX),
 ) -> dict:
     """All your kept checkpoints, newest first."""
     purge_expired_checkpoints(db)

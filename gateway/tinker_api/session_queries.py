@@ -13,7 +13,7 @@ from pydantic import Field
 from sqlmodel import col, select
 
 from gateway.db.tables import SamplingSessionRow, SessionRow, TrainingRunRow
-from gateway.deps import DbDep, PrincipalDep
+from gateway.deps import DB_INT_MAX, DbDep, PrincipalDep
 from gateway.errors import NotFoundError
 from gateway.tinker_api.schemas import (
     AssignProjectResponse,
@@ -42,7 +42,7 @@ async def list_sessions(
     who: PrincipalDep,
     db: DbDep,
     limit: int = Query(20, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=DB_INT_MAX),
     access_scope: Literal["owned", "accessible"] = "owned",
 ) -> dict:
     """Your session ids, newest first."""

@@ -15,7 +15,15 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
 from gateway.db.tables import SessionRow, utcnow
-from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep, owned_session
+from gateway.deps import (
+    DB_INT_MAX,
+    ConfigDep,
+    DbDep,
+    EngineDep,
+    PrincipalDep,
+    SettingsDep,
+    owned_session,
+)
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import delete_checkpoint, readable_checkpoint
@@ -93,7 +101,7 @@ async def list_training_runs(
     who: PrincipalDep,
     db: DbDep,
     limit: int = Query(20, ge=1, le=1000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=DB_INT_MAX),
 ) -> dict:
     return _with_twinkle_paths(await tinker_runs.list_training_runs(who, db, limit, offset))
 
