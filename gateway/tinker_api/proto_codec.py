@@ -24,6 +24,11 @@ from engine.protocol import (
 from gateway.errors import InvalidRequestError
 from gateway.tinker_api.wire_pb import pb
 
+#: a sparse tensor is expanded to dense here; its declared shape, not its bytes, sets the size, so
+#: it is bounded: 2**24 elements (64 MiB of float32) is far above any real [N, K] input (a
+#: 32k-token context with K = 64 is 2**21). Found by fuzzing: [1, 2**40] was a MemoryError (500).
+MAX_SPARSE_ELEMENTS = 2**24
+
 _DTYPES = {
     pb.DTYPE_FLOAT32: np.float32,
     pb.DTYPE_INT64: np.int64,
@@ -36,9 +41,16 @@ def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     if dtype is None:
         raise InvalidRequestError(f"{where}.dtype: unsupported dtype {msg.dtype}")
     shape = [int(s) for s in msg.shape]
+    if any(s < 0 for s in shape):
+        raise InvalidRequestError(f"{where}.shape: {shape} has a negative dimension")
     if msg.HasField("sparse_csr"):
         if len(shape) != 2:
             raise InvalidRequestError(f"{where}: sparse tensors must be 2-D, got shape {shape}")
+        if shape[0] * shape[1] > MAX_SPARSE_ELEMENTS:
+            raise InvalidRequestError(
+                f"{where}.shape: a sparse tensor of shape {shape} would expand to more than "
+                f"{MAX_SPARSE_ELEMENTS} elements"
+            )
         values = np.frombuffer(msg.sparse_csr.values, dtype=dtype)
         crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64)
         col = np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64)
@@ -188,6 +200,10 @@ def target_ids_from_wire(t: dict) -> tuple[np.ndarray, tuple[np.ndarray, np.ndar
     shape = t.get("shape")
     if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) for d in shape)):
         raise InvalidRequestError(f"{where}: shape must be [len(prompt) - 1, K]")
+    if min(shape) < 0 or shape[0] * shape[1] > MAX_SPARSE_ELEMENTS:
+        raise InvalidRequestError(
+            f"{where}.shape: {shape} must be non-negative with at most {MAX_SPARSE_ELEMENTS} cells"
+        )
     try:
         data = np.asarray(t.get("data"), dtype=np.int64).reshape(-1)
         crow, col = t.get("sparse_crow_indices"), t.get("sparse_col_indices")

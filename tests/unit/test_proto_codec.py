@@ -86,3 +86,36 @@ def test_sample_output_decodes_in_sdk():
     assert [s.stop_reason for s in sdk.sequences] == ["stop", "length"]
     assert sdk.sequences[0].logprobs == [-0.25, -1.5]
     assert sdk.prompt_logprobs[0] is None and sdk.prompt_logprobs[1:] == [-1.0, -2.0]
+
+
+def _with_weights(tensor) -> bytes:
+    from gateway.tinker_api.wire_pb import pb
+
+    msg = pb.ForwardBackwardRequest(model_id="sess-1:train:0", seq_id=1, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.array([1, 2], "<i4").tobytes()
+    d.loss_fn_inputs["target_tokens"].CopyFrom(
+        pb.Tensor(dtype=pb.DTYPE_INT64, dense=np.array([2, 3], np.int64).tobytes(), shape=[2])
+    )
+    d.loss_fn_inputs["weights"].CopyFrom(tensor)
+    return msg.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("shape", "sparse", "message"),
+    [
+        ([1, 2**40], True, "would expand to more than"),  # was a MemoryError: a 500 (fuzzing)
+        ([-1, -2], False, "negative dimension"),  # was a numpy ValueError in reshape: a 500
+    ],
+)
+def test_tensors_whose_shape_lies_are_a_400(shape, sparse, message):
+    from gateway.tinker_api.wire_pb import pb
+
+    t = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=shape)
+    if sparse:
+        t.sparse_csr.crow_indices = np.array([0, 0], np.int64).tobytes()
+    else:
+        t.dense = np.ones(2, np.float32).tobytes()
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        decode_forward_backward(_with_weights(t))
+    assert str(err.value).startswith("data[0].loss_fn_inputs.weights.shape")
