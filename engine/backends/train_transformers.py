@@ -20,7 +20,7 @@ from typing import cast
 import torch
 
 from engine.backends import checkpoint_io as ckpt
-from engine.backends import losses
+from engine.backends import custom_loss, losses
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
 from engine.backends.embedding_loss import embedding_loss
 from engine.backends.lora import (
@@ -300,9 +300,8 @@ class TransformersTrainingBackend(TrainingBackend):
             ]
             refs = [ref.get(start + k) for k in range(len(idx))]
             job = jobs[j]
-            loss = losses.request_loss(
-                job.req, idx, lps, refs, job.outputs, job.metrics, self.device
-            )
+            run = custom_loss.request_loss if job.req.custom else losses.request_loss
+            loss = run(job.req, idx, lps, refs, job.outputs, job.metrics, self.device)
             total = loss if total is None else total + loss
             start += len(idx)
         if grad and total is not None and total.requires_grad:
