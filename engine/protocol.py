@@ -191,6 +191,10 @@ EMBEDDING_LOSS_FNS = ("infonce",)
 
 #: the loss name of a server-side custom loss (Tinker's ``loss_fn="custom"``)
 CUSTOM_LOSS_FN = "custom"
+#: a custom loss graph's bounds: nodes, and nesting of a node's arguments (the gateway refuses
+#: larger uploads before they travel; engine/backends/custom_loss.py checks everything else)
+CUSTOM_LOSS_MAX_NODES = 2048
+CUSTOM_LOSS_MAX_ARG_DEPTH = 8
 
 
 @dataclass(frozen=True)

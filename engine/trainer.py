@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
+from engine.backends.custom_loss import compile_loss
 from engine.backends.registry import build_training_backend
 from engine.config import ModelConfig
 from engine.native import NativeModelHost
 from engine.protocol import (
     AdamParams,
+    CustomLossGraph,
     ForwardBackwardInput,
     ForwardBackwardOutput,
     LoraSpec,
@@ -114,6 +116,11 @@ class Trainer:
             "seq_len": seq_len,
             "repeats": 3,  # min of 3: one disturbed timing on a shared machine must not decide
         }
+
+    async def check_custom_loss(self, graph: CustomLossGraph) -> None:
+        """Check an uploaded custom loss graph (a UserInputError naming the node and the rule);
+        the gateway stores it only if this passes. Needs no model, so any replica answers."""
+        compile_loss(graph)
 
     async def info(self) -> dict:
         return {

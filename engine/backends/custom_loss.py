@@ -45,16 +45,21 @@ import torch
 
 from engine.backends import custom_loss_ops as ops
 from engine.backends.losses import LossSpec, MetricSums
-from engine.errors import UserInputError
-from engine.protocol import CUSTOM_LOSS_FN, CustomLossGraph, ForwardBackwardInput
-
 from engine.backends.train_batching import Request, _datum
+from engine.errors import UserInputError
+from engine.protocol import (
+    CUSTOM_LOSS_FN,
+    CUSTOM_LOSS_MAX_ARG_DEPTH,
+    CUSTOM_LOSS_MAX_NODES,
+    CustomLossGraph,
+    ForwardBackwardInput,
+)
 
 if TYPE_CHECKING:
     from engine.backends.vision import Vision
 
-MAX_NODES = 2048
-MAX_ARG_DEPTH = 8
+MAX_NODES = CUSTOM_LOSS_MAX_NODES
+MAX_ARG_DEPTH = CUSTOM_LOSS_MAX_ARG_DEPTH
 MAX_LITERAL = 4096
 MAX_NAME = 128
 MAX_INT = 2**53
@@ -219,7 +224,9 @@ def compile_loss(graph: CustomLossGraph) -> CompiledLoss:
             env[node_name] = len(env)
         else:
             raise _fail(
-                name, where, "op must be placeholder, call_function, call_method or output "
+                name,
+                where,
+                "op must be placeholder, call_function, call_method or output "
                 "(a custom loss reads only logprobs and its inputs: no modules, no captured "
                 "tensors)",
             )
@@ -252,7 +259,9 @@ def _step(
         fn = ops.METHODS.get(target)
         if fn is None:
             raise _fail(
-                graph, where, "tensor method not allowed (allowed: engine/backends/"
+                graph,
+                where,
+                "tensor method not allowed (allowed: engine/backends/"
                 "custom_loss_ops.py METHODS; in-place methods and item/tolist/backward never)",
             )
         if not args:
@@ -261,13 +270,18 @@ def _step(
     if target in ("getattr", "builtins.getattr"):
         attr = args[1] if len(args) == 2 and not kwargs else None
         if not isinstance(attr, str) or attr not in ops.ATTRIBUTES:
-            raise _fail(graph, where, f"attribute {attr!r} not allowed; allowed: "
-                        f"{', '.join(ops.ATTRIBUTES)}")
+            raise _fail(
+                graph,
+                where,
+                f"attribute {attr!r} not allowed; allowed: {', '.join(ops.ATTRIBUTES)}",
+            )
         return _Step(node, target, ops.ATTRIBUTES[attr], (args[0],), {}, False)
     fn = ops.FUNCTIONS.get(target)
     if fn is None:
         raise _fail(
-            graph, where, "function not allowed (allowed: torch, torch.nn.functional, operator "
+            graph,
+            where,
+            "function not allowed (allowed: torch, torch.nn.functional, operator "
             "and math functions listed in engine/backends/custom_loss_ops.py FUNCTIONS)",
         )
     return _Step(node, target, fn, tuple(args), kwargs, target in ops.ARITHMETIC)
@@ -326,7 +340,7 @@ def _check_value(step: _Step, v: Any) -> None:
         return
     if isinstance(v, int):
         if abs(v) > MAX_INT:
-            raise ValueError(f"the integer result is beyond +-2**53")
+            raise ValueError("the integer result is beyond +-2**53")
         return
     if isinstance(v, (tuple, list)) and len(v) <= MAX_LITERAL:
         for x in v:
@@ -339,8 +353,7 @@ def _call(step: _Step, args: tuple, kwargs: dict) -> Any:
     if step.arithmetic:  # numbers and tensors only: no "a" * 10**9, no list repetition
         for a in args:
             if not isinstance(a, (torch.Tensor, int, float, bool)):
-                raise TypeError(f"{step.target} takes tensors and numbers, got "
-                                f"{type(a).__name__}")
+                raise TypeError(f"{step.target} takes tensors and numbers, got {type(a).__name__}")
         nums = [a for a in args if not isinstance(a, torch.Tensor)]
         if step.target == "operator.pow" and len(nums) == 2 and abs(nums[1]) > 64:
             raise ValueError("a Python power with an exponent beyond 64")
@@ -417,8 +430,10 @@ def validate_custom_request(
     for i, d in enumerate(inp.data):
         f = f"data[{i}]"
         row = _datum(d, f, SPEC, vocab, max_positions, vision)
-        if row.targets.ndim != 2 or (row.two_d and compiled.ranks[0] != 2) or (
-            not row.two_d and compiled.ranks[0] != 1
+        if (
+            row.targets.ndim != 2
+            or (row.two_d and compiled.ranks[0] != 2)
+            or (not row.two_d and compiled.ranks[0] != 1)
         ):
             raise UserInputError(
                 f"{f}.loss_fn_inputs.target_tokens: logprobs have the rank of target_tokens "
@@ -432,8 +447,9 @@ def validate_custom_request(
             row.inputs[name] = _input(np.asarray(lfi[name]), rank, field)
         lp = torch.zeros(row.targets.shape if row.two_d else row.targets.shape[:1])
         with torch.no_grad():
-            run_loss(compiled, lp, [torch.from_numpy(row.inputs[n]) for n in compiled.input_names],
-                     f)
+            run_loss(
+                compiled, lp, [torch.from_numpy(row.inputs[n]) for n in compiled.input_names], f
+            )
         data.append(row)
     return Request(SPEC, {}, data, bool(inp.forward_only), False, custom=compiled)
 

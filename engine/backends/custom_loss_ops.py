@@ -9,9 +9,9 @@ missing from these tables is refused; nothing is looked up by a name that came f
 Left out on purpose: in-place methods (``add_`` ...) and ``out=``, anything that leaves torch
 (``item``, ``tolist``, ``numpy``) or touches autograd (``backward``, ``register_hook``), and every
 operation whose output can be much larger than its inputs (``expand``, ``repeat``, ``tile``,
-``new_*``, ``torch.zeros(size)``, ``arange``, ``outer``, ``matmul``, ``einsum``, ``one_hot``, ``pad``,
-``diag``): with those gone, an output is at most as large as its inputs broadcast together (or,
-for ``cat`` / ``stack``, their sum), which the interpreter checks before each call.
+``new_*``, ``torch.zeros(size)``, ``arange``, ``outer``, ``matmul``, ``einsum``, ``one_hot``,
+``pad``, ``diag``): with those gone, an output is at most as large as its inputs broadcast
+together (or, for ``cat`` / ``stack``, their sum), which the interpreter checks before each call.
 """
 
 from __future__ import annotations
@@ -50,19 +50,112 @@ ARITHMETIC = {
 
 _TORCH_NAMES = (
     # elementwise
-    "exp exp2 expm1 log log1p log2 log10 sqrt rsqrt square abs neg sign sigmoid tanh relu sin cos "
-    "erf floor ceil round trunc reciprocal clamp clip clamp_min clamp_max minimum maximum where "
-    "pow add sub mul div true_divide logaddexp isfinite isnan isinf nan_to_num lt le gt ge eq ne "
-    "logical_and logical_or logical_not logical_xor masked_fill lerp "
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "log2",
+    "log10",
+    "sqrt",
+    "rsqrt",
+    "square",
+    "abs",
+    "neg",
+    "sign",
+    "sigmoid",
+    "tanh",
+    "relu",
+    "sin",
+    "cos",
+    "erf",
+    "floor",
+    "ceil",
+    "round",
+    "trunc",
+    "reciprocal",
+    "clamp",
+    "clip",
+    "clamp_min",
+    "clamp_max",
+    "minimum",
+    "maximum",
+    "where",
+    "pow",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "true_divide",
+    "logaddexp",
+    "isfinite",
+    "isnan",
+    "isinf",
+    "nan_to_num",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "eq",
+    "ne",
+    "logical_and",
+    "logical_or",
+    "logical_not",
+    "logical_xor",
+    "masked_fill",
+    "lerp",
     # reductions and scans
-    "sum mean nansum nanmean prod logsumexp amax amin max min argmax argmin std var norm "
-    "count_nonzero all any cumsum cumprod softmax log_softmax topk sort "
+    "sum",
+    "mean",
+    "nansum",
+    "nanmean",
+    "prod",
+    "logsumexp",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "argmax",
+    "argmin",
+    "std",
+    "var",
+    "norm",
+    "count_nonzero",
+    "all",
+    "any",
+    "cumsum",
+    "cumprod",
+    "softmax",
+    "log_softmax",
+    "topk",
+    "sort",
     # indexing and shape (never larger than the input)
-    "gather index_select masked_select take_along_dim squeeze unsqueeze reshape flatten "
-    "transpose permute narrow select chunk split unbind "
+    "gather",
+    "index_select",
+    "masked_select",
+    "take_along_dim",
+    "squeeze",
+    "unsqueeze",
+    "reshape",
+    "flatten",
+    "transpose",
+    "permute",
+    "narrow",
+    "select",
+    "chunk",
+    "split",
+    "unbind",
     # the same size as a given tensor, stacking, detaching, a literal
-    "zeros_like ones_like full_like stack cat concat detach numel tensor"
-).split()
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "stack",
+    "cat",
+    "concat",
+    "detach",
+    "numel",
+    "tensor",
+)
 
 _FUNCTIONAL = {
     # what torch.fx records for torch.nn.functional calls (builtins keep their C names)
@@ -72,13 +165,35 @@ _FUNCTIONAL = {
     **{
         f"torch.nn.functional.{n}": getattr(F, n)
         for n in (
-            "relu silu elu leaky_relu softmax log_softmax normalize mse_loss l1_loss "
-            "smooth_l1_loss huber_loss kl_div binary_cross_entropy_with_logits"
-        ).split()
+            "relu",
+            "silu",
+            "elu",
+            "leaky_relu",
+            "softmax",
+            "log_softmax",
+            "normalize",
+            "mse_loss",
+            "l1_loss",
+            "smooth_l1_loss",
+            "huber_loss",
+            "kl_div",
+            "binary_cross_entropy_with_logits",
+        )
     },
 }
 
-_MATH = {f"math.{n}": getattr(math, n) for n in "exp log log1p sqrt fabs floor ceil".split()}
+_MATH = {
+    f"math.{n}": getattr(math, n)
+    for n in (
+        "exp",
+        "log",
+        "log1p",
+        "sqrt",
+        "fabs",
+        "floor",
+        "ceil",
+    )
+}
 
 #: call_function targets by the qualified name the SDK sends
 FUNCTIONS: dict[str, Callable[..., Any]] = {
@@ -90,16 +205,118 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
 }
 
 _METHOD_NAMES = (
-    "exp exp2 expm1 log log1p log2 log10 sqrt rsqrt square abs neg sign sigmoid tanh relu sin cos "
-    "erf floor ceil round trunc reciprocal clamp clip clamp_min clamp_max minimum maximum where "
-    "pow add sub mul div true_divide logaddexp isfinite isnan isinf nan_to_num lt le gt ge eq ne "
-    "logical_and logical_or logical_not logical_xor masked_fill lerp "
-    "sum mean nansum nanmean prod logsumexp amax amin max min argmax argmin std var norm "
-    "count_nonzero all any cumsum cumprod softmax log_softmax topk sort "
-    "gather index_select masked_select take_along_dim squeeze unsqueeze reshape flatten "
-    "transpose permute narrow select chunk split unbind view view_as reshape_as t "
-    "float double half bfloat16 long int bool type_as detach clone contiguous size dim numel"
-).split()
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "log2",
+    "log10",
+    "sqrt",
+    "rsqrt",
+    "square",
+    "abs",
+    "neg",
+    "sign",
+    "sigmoid",
+    "tanh",
+    "relu",
+    "sin",
+    "cos",
+    "erf",
+    "floor",
+    "ceil",
+    "round",
+    "trunc",
+    "reciprocal",
+    "clamp",
+    "clip",
+    "clamp_min",
+    "clamp_max",
+    "minimum",
+    "maximum",
+    "where",
+    "pow",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "true_divide",
+    "logaddexp",
+    "isfinite",
+    "isnan",
+    "isinf",
+    "nan_to_num",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "eq",
+    "ne",
+    "logical_and",
+    "logical_or",
+    "logical_not",
+    "logical_xor",
+    "masked_fill",
+    "lerp",
+    "sum",
+    "mean",
+    "nansum",
+    "nanmean",
+    "prod",
+    "logsumexp",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "argmax",
+    "argmin",
+    "std",
+    "var",
+    "norm",
+    "count_nonzero",
+    "all",
+    "any",
+    "cumsum",
+    "cumprod",
+    "softmax",
+    "log_softmax",
+    "topk",
+    "sort",
+    "gather",
+    "index_select",
+    "masked_select",
+    "take_along_dim",
+    "squeeze",
+    "unsqueeze",
+    "reshape",
+    "flatten",
+    "transpose",
+    "permute",
+    "narrow",
+    "select",
+    "chunk",
+    "split",
+    "unbind",
+    "view",
+    "view_as",
+    "reshape_as",
+    "t",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "long",
+    "int",
+    "bool",
+    "type_as",
+    "detach",
+    "clone",
+    "contiguous",
+    "size",
+    "dim",
+    "numel",
+)
 
 #: call_method targets: unbound ``torch.Tensor`` methods, called as ``method(tensor, ...)``
 METHODS: dict[str, Callable[..., Any]] = {n: getattr(torch.Tensor, n) for n in _METHOD_NAMES}

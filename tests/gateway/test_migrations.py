@@ -43,8 +43,10 @@ TABLES = {
     "quota_limits",
     "usage_buckets",
     "audit_events",
+    # 0004_custom_losses
+    "custom_losses",
 }
-HEAD = "0003_train_vision"
+HEAD = "0004_custom_losses"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tinker import types as ttypes
 from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_handle, trace_loss
 
-from engine.backends.custom_loss import MAX_ELEMENTS, MAX_NODES, compile_loss
+from engine.backends.custom_loss import MAX_NODES, compile_loss
 from engine.backends.lora import adapter_parameters
 from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import UserInputError
@@ -101,8 +101,9 @@ def _grads(be) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize(("kind", "fn", "ranks"), [("dpo", dpo_packed, DPO_RANKS),
-                                                   ("ppo", ppo_variant, PPO_RANKS)])
+@pytest.mark.parametrize(
+    ("kind", "fn", "ranks"), [("dpo", dpo_packed, DPO_RANKS), ("ppo", ppo_variant, PPO_RANKS)]
+)
 def test_server_side_equals_the_sdk_client_side_path(be, kind, fn, ranks) -> None:
     rng = np.random.default_rng(1)
     handle, wire = _handle(fn, ranks)
@@ -113,16 +114,16 @@ def test_server_side_equals_the_sdk_client_side_path(be, kind, fn, ranks) -> Non
     )
     g_server = _grads(be)
     # client side, as the SDK does it: a forward, the loss locally, then CE with -grad weights
-    fwd = be.forward_backward(
-        AID, ForwardBackwardInput(data, "cross_entropy", forward_only=True)
-    )
+    fwd = be.forward_backward(AID, ForwardBackwardInput(data, "cross_entropy", forward_only=True))
     lps = [torch.tensor(o["logprobs"]).requires_grad_(True) for o in fwd.outputs]
     sdk_data = [_sdk_datum(d, ["target_tokens", *handle.input_names]) for d in data]
     loss, metrics = run_loss_handle(handle, sdk_data, lps)
     loss.backward()
     weights = [
-        DatumInput(d.tokens, {"target_tokens": d.loss_fn_inputs["target_tokens"],
-                              "weights": -lp.grad.numpy()})
+        DatumInput(
+            d.tokens,
+            {"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": -lp.grad.numpy()},
+        )
         for d, lp in zip(data, lps, strict=True)
     ]
     be.forward_backward(AID, ForwardBackwardInput(weights, "cross_entropy"))
@@ -142,17 +143,24 @@ def test_server_side_equals_the_sdk_client_side_path(be, kind, fn, ranks) -> Non
 def test_forward_only_and_sliced_requests_reduce_metrics_like_the_sdk(be) -> None:
     handle, wire = _handle(ppo_variant, PPO_RANKS)
     data = _data("ppo", np.random.default_rng(2))
-    whole = be.forward_backward(AID, ForwardBackwardInput(data, "custom", {"loss_id": "x"},
-                                                          forward_only=True, custom_loss=wire))
+    whole = be.forward_backward(
+        AID,
+        ForwardBackwardInput(data, "custom", {"loss_id": "x"}, forward_only=True, custom_loss=wire),
+    )
     parts = [
-        be.forward_backward(AID, ForwardBackwardInput(data[s], "custom", {"loss_id": "x"},
-                                                      forward_only=True, custom_loss=wire))
+        be.forward_backward(
+            AID,
+            ForwardBackwardInput(
+                data[s], "custom", {"loss_id": "x"}, forward_only=True, custom_loss=wire
+            ),
+        )
         for s in (slice(0, 1), slice(1, 3))
     ]
     assert not be.has_pending_grad(AID)
     assert whole.metrics["loss:sum"] == pytest.approx(sum(p.metrics["loss:sum"] for p in parts))
-    frac = (parts[0].metrics["custom/clip_frac:mean"] + 2 * parts[1].metrics[
-        "custom/clip_frac:mean"]) / 3
+    frac = (
+        parts[0].metrics["custom/clip_frac:mean"] + 2 * parts[1].metrics["custom/clip_frac:mean"]
+    ) / 3
     assert whole.metrics["custom/clip_frac:mean"] == pytest.approx(frac)
     assert whole.metrics["custom/tokens:sum"] == 7 + 11 + 5
 
@@ -161,13 +169,15 @@ def test_forward_only_and_sliced_requests_reduce_metrics_like_the_sdk(be) -> Non
 
 
 def _graph(*calls, output=None, inputs=(("logprobs", 1),)) -> CustomLossGraph:
-    nodes = [{"op": "placeholder", "name": n, "target": n, "args": [], "kwargs": {}}
-             for n, _ in inputs]
+    nodes = [
+        {"op": "placeholder", "name": n, "target": n, "args": [], "kwargs": {}} for n, _ in inputs
+    ]
     nodes += [dict({"args": [], "kwargs": {}}, **c) for c in calls]
     last = calls[-1]["name"] if calls else inputs[0][0]
     out = output if output is not None else {"tuple": [{"ref": last}, {"dict": {}}]}
-    nodes.append({"op": "output", "name": "output", "target": "output", "args": [out],
-                  "kwargs": {}})
+    nodes.append(
+        {"op": "output", "name": "output", "target": "output", "args": [out], "kwargs": {}}
+    )
     return CustomLossGraph("hostile", tuple(inputs), tuple(nodes))
 
 
@@ -185,20 +195,21 @@ REFUSED = {
     "private attribute": (_graph(_call("g", "getattr", LP, "__class__")), "node 'g'"),
     "out= keyword": (_graph(_call("e", "torch.exp", LP, out=LP)), "'out'"),
     "forward reference": (
-        _graph(_call("x", "torch.exp", {"ref": "y"}), _call("y", "torch.exp", LP)), "'y'"
+        _graph(_call("x", "torch.exp", {"ref": "y"}), _call("y", "torch.exp", LP)),
+        "'y'",
     ),
     "self reference (a cycle)": (_graph(_call("x", "torch.exp", {"ref": "x"})), "cycles"),
     "duplicate name": (
-        _graph(_call("x", "torch.exp", LP), _call("x", "torch.log", LP)), "used twice"
+        _graph(_call("x", "torch.exp", LP), _call("x", "torch.log", LP)),
+        "used twice",
     ),
     "too many nodes": (
-        _graph(*[_call(f"n{i}", "torch.exp", LP) for i in range(MAX_NODES)]), "at most"
+        _graph(*[_call(f"n{i}", "torch.exp", LP) for i in range(MAX_NODES)]),
+        "at most",
     ),
     "deep nesting": (_graph(_call("x", "torch.stack", [[[[[[[[[[LP]]]]]]]]]])), "nested"),
     "huge integer": (_graph(_call("x", "operator.mul", LP, 10**30)), "2**53"),
-    "bad metric key": (
-        _graph(output={"tuple": [LP, {"dict": {"loss:sum": LP}}]}), "custom/<name>"
-    ),
+    "bad metric key": (_graph(output={"tuple": [LP, {"dict": {"loss:sum": LP}}]}), "custom/<name>"),
     "output not (loss, metrics)": (_graph(output=LP), "(loss, metrics)"),
     "unknown encoding": (_graph(_call("x", "torch.exp", {"code": "import os"})), "'code'"),
     "bad dtype": (_graph(_call("x", "to", LP, {"dtype": "object"}, op="call_method")), "dtype"),
@@ -214,8 +225,9 @@ def test_malformed_or_hostile_graphs_are_refused_naming_the_node(case) -> None:
 
 
 def _run(be, graph, data) -> None:
-    be.forward_backward(AID, ForwardBackwardInput(data, "custom", {"loss_id": "x"},
-                                                  custom_loss=graph))
+    be.forward_backward(
+        AID, ForwardBackwardInput(data, "custom", {"loss_id": "x"}, custom_loss=graph)
+    )
 
 
 def _row(x: np.ndarray) -> DatumInput:
@@ -230,31 +242,42 @@ def test_run_time_refusals_name_the_datum_and_node_and_change_nothing(be) -> Non
         # [3] + [5]: a shape error, found by the dry run before any compute
         "wrong shapes": (
             _graph(_call("bad", "operator.add", LP, {"ref": "x"}), sum_, inputs=two),
-            small, "data[0]: node 'bad'",
+            small,
+            "data[0]: node 'bad'",
         ),
         # [5000, 1] * [1, 5000]: 25 M elements, refused before anything is allocated
         "memory bomb": (
             _graph(
                 _call("u", "reshape", {"ref": "x"}, -1, 1, op="call_method"),
                 _call("v", "reshape", {"ref": "x"}, 1, -1, op="call_method"),
-                _call("bad", "operator.mul", {"ref": "u"}, {"ref": "v"}), sum_, inputs=two,
+                _call("bad", "operator.mul", {"ref": "u"}, {"ref": "v"}),
+                sum_,
+                inputs=two,
             ),
-            big, "node 'bad'",
+            big,
+            "node 'bad'",
         ),
         "string repetition": (
-            _graph(_call("bad", "operator.mul", "a", 10**9), sum_, inputs=two), small,
+            _graph(_call("bad", "operator.mul", "a", 10**9), sum_, inputs=two),
+            small,
             "node 'bad'",
         ),
         "loss not a scalar": (_graph(_call("e", "torch.exp", LP), inputs=two), small, "scalar"),
         "missing input": (
-            _graph(_call("s", "sum", {"ref": "y"}, op="call_method"),
-                   inputs=(("logprobs", 1), ("y", 1))),
-            small, "data[0].loss_fn_inputs.y",
+            _graph(
+                _call("s", "sum", {"ref": "y"}, op="call_method"),
+                inputs=(("logprobs", 1), ("y", 1)),
+            ),
+            small,
+            "data[0].loss_fn_inputs.y",
         ),
         "wrong rank": (
-            _graph(_call("s", "sum", {"ref": "x"}, op="call_method"),
-                   inputs=(("logprobs", 1), ("x", 2))),
-            small, "rank 1",
+            _graph(
+                _call("s", "sum", {"ref": "x"}, op="call_method"),
+                inputs=(("logprobs", 1), ("x", 2)),
+            ),
+            small,
+            "rank 1",
         ),
     }
     before = {k: p.detach().clone() for k, p in adapter_parameters(be.model, AID).items()}
