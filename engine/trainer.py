@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -256,14 +257,22 @@ class Trainer:
             )
 
     async def _save_state(
-        self, model_id: str, seq_id: int, directory: str, include_optimizer: bool
+        self,
+        model_id: str,
+        seq_id: int,
+        directory: str,
+        include_optimizer: bool,
+        age_recipients: Sequence[str],
     ) -> int:
         async with self._seq.turn(model_id, seq_id):
             return await self._compute(
                 model_id,
                 FIXED_COST,
                 lambda: self.backend.save_state(
-                    model_id, directory, include_optimizer=include_optimizer
+                    model_id,
+                    directory,
+                    include_optimizer=include_optimizer,
+                    age_recipients=age_recipients,
                 ),
                 "save",
             )
@@ -305,11 +314,20 @@ class Trainer:
         return await self._once.run((model_id, seq_id), lambda: self._skip(model_id, seq_id))
 
     async def save_state(
-        self, model_id: str, seq_id: int, directory: str, include_optimizer: bool
+        self,
+        model_id: str,
+        seq_id: int,
+        directory: str,
+        include_optimizer: bool,
+        age_recipients: Sequence[str] = (),
     ) -> int:
+        """In seq order: write the adapter to ``directory``; with ``age_recipients``, as an
+        age-encrypted export (`TrainingBackend.save_state`)."""
         return await self._once.run(
             (model_id, seq_id),
-            lambda: self._save_state(model_id, seq_id, directory, include_optimizer),
+            lambda: self._save_state(
+                model_id, seq_id, directory, include_optimizer, tuple(age_recipients)
+            ),
         )
 
     async def load_state(

@@ -210,14 +210,17 @@ def test_hostile_graphs_are_400_naming_the_node_and_the_server_keeps_serving(ser
         tc.forward_backward_custom([bad], handle).result()
     assert e.value.category == "user"
     # the server (and this model) go on: a normal step works
+    def neg_ll(logprobs):
+        return -logprobs.sum(), {}
+
     ok = [_datum(8, "ppo")]
-    ppo = service.create_custom_loss(ppo_dual_clip, CASES["ppo"][1]).result()
-    assert np.isfinite(tc.forward_backward_custom(ok, ppo).result().metrics["loss:sum"])
+    fine = service.create_custom_loss(neg_ll, {"logprobs": 1}).result()
+    assert np.isfinite(tc.forward_backward_custom(ok, fine).result().metrics["loss:sum"])
     assert tc.optim_step(ADAM).result().metrics["grad_norm"] > 0
     with pytest.raises(tinker.RequestFailedError, match="loss_id"):  # another session's id
         other = tinker.ServiceClient(base_url=server.url, api_key=key)
         ot = other.create_lora_training_client(base_model=BASE, rank=4).result()
-        ot.forward_backward(ok, "custom", {"loss_id": ppo.loss_id}).result()
+        ot.forward_backward(ok, "custom", {"loss_id": fine.loss_id}).result()
 
 
 def _cookbook_dpo(server, key: str, mode: str) -> dict:
