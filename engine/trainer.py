@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
-from engine.backends.custom_loss import compile_loss
 from engine.backends.registry import build_training_backend
 from engine.config import ModelConfig
 from engine.native import NativeModelHost
@@ -121,6 +120,9 @@ class Trainer:
     async def check_custom_loss(self, graph: CustomLossGraph) -> None:
         """Check an uploaded custom loss graph (a UserInputError naming the node and the rule);
         the gateway stores it only if this passes. Needs no model, so any replica answers."""
+        # imported here: it needs torch, and a Trainer on the mock backend runs without torch
+        from engine.backends.custom_loss import compile_loss
+
         compile_loss(graph)
 
     async def info(self) -> dict:
