@@ -125,8 +125,10 @@ def test_encrypted_export_is_ciphertext_that_decrypts_to_a_peft_adapter(server, 
     ("recipients", "needle"),
     [
         (["age1xyz"], r"age_encryption_recipients\[0\]"),
-        ([str(pyrage.x25519.Identity.generate().to_public()), "ssh-ed25519 AAAAbad"],
-         r"age_encryption_recipients\[1\]"),
+        (
+            [str(pyrage.x25519.Identity.generate().to_public()), "ssh-ed25519 AAAAbad"],
+            r"age_encryption_recipients\[1\]",
+        ),
         ([], "1 to 10"),
         ([str(pyrage.x25519.Identity.generate().to_public())] * 11, "1 to 10"),
     ],

@@ -175,6 +175,14 @@ def test_hostile_graphs_are_400_naming_the_node_and_the_server_keeps_serving(ser
         "deep arguments": (graph(fn("d", "torch.stack", [deep])), "node 'd'"),
         "module call": (graph(fn("m", "lm_head", lp, op="call_module")), "node 'm'"),
     }
+    very_deep = "[" * 100_000 + "]" * 100_000  # JSON nested beyond any parser's recursion
+    r = httpx.post(
+        f"{server.url}/api/v1/create_custom_loss",
+        headers={"X-API-Key": key, "Content-Type": "application/json"},
+        content=f'{{"graph": {very_deep}}}',
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
     for seq, (case, (g, needle)) in enumerate(hostile.items(), start=100):
         r = httpx.post(
             f"{server.url}/api/v1/create_custom_loss",
@@ -209,6 +217,7 @@ def test_hostile_graphs_are_400_naming_the_node_and_the_server_keeps_serving(ser
     with pytest.raises(tinker.RequestFailedError, match="node 'add'") as e:
         tc.forward_backward_custom([bad], handle).result()
     assert e.value.category == "user"
+
     # the server (and this model) go on: a normal step works
     def neg_ll(logprobs):
         return -logprobs.sum(), {}
@@ -217,10 +226,13 @@ def test_hostile_graphs_are_400_naming_the_node_and_the_server_keeps_serving(ser
     fine = service.create_custom_loss(neg_ll, {"logprobs": 1}).result()
     assert np.isfinite(tc.forward_backward_custom(ok, fine).result().metrics["loss:sum"])
     assert tc.optim_step(ADAM).result().metrics["grad_norm"] > 0
-    with pytest.raises(tinker.RequestFailedError, match="loss_id"):  # another session's id
-        other = tinker.ServiceClient(base_url=server.url, api_key=key)
+    other = tinker.ServiceClient(base_url=server.url, api_key=key)
+    try:  # another session cannot use this session's loss
         ot = other.create_lora_training_client(base_model=BASE, rank=4).result()
-        ot.forward_backward(ok, "custom", {"loss_id": fine.loss_id}).result()
+        with pytest.raises(tinker.RequestFailedError, match="loss_id"):
+            ot.forward_backward(ok, "custom", {"loss_id": fine.loss_id}).result()
+    finally:
+        other.close("success").result()
 
 
 def _cookbook_dpo(server, key: str, mode: str) -> dict:
