@@ -121,7 +121,7 @@ class Trainer:
         """Check an uploaded custom loss graph (a UserInputError naming the node and the rule);
         the gateway stores it only if this passes. Needs no model, so any replica answers."""
         # imported here: it needs torch, and a Trainer on the mock backend runs without torch
-        from engine.backends.custom_loss import compile_loss
+        from engine.backends.custom_loss_graph import compile_loss
 
         compile_loss(graph)
 

@@ -1,5 +1,6 @@
-"""The allow-list of a server-side custom loss (engine/backends/custom_loss.py): every operation a
-traced loss may name, each mapped to a torch (or ``operator`` / ``math``) callable written out here.
+"""The allow-list of a server-side custom loss (engine/backends/custom_loss_graph.py): every
+operation a traced loss may name, each mapped to a torch (or ``operator`` / ``math``) callable
+written out here.
 
 A graph names its calls the way the Tinker SDK encodes torch.fx nodes: a function by its qualified
 name (``torch.exp``, ``operator.mul``, ``torch._C._nn.log_sigmoid`` for ``F.logsigmoid``), a tensor

@@ -21,7 +21,7 @@ from engine.errors import UserInputError
 from engine.protocol import CUSTOM_LOSS_FN, ForwardBackwardInput
 
 if TYPE_CHECKING:
-    from engine.backends.custom_loss import CompiledLoss
+    from engine.backends.custom_loss_graph import CompiledLoss
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Request:
     data: list[Datum]
     forward_only: bool
     disable_lora: bool
-    #: the checked graph of a ``custom`` loss (engine/backends/custom_loss.py), else None
+    #: the checked graph of a ``custom`` loss (engine/backends/custom_loss_graph.py), else None
     custom: CompiledLoss | None = None
 
     @property

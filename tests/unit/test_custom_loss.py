@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tinker import types as ttypes
 from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_handle, trace_loss
 
-from engine.backends.custom_loss import MAX_NODES, compile_loss
+from engine.backends.custom_loss_graph import MAX_NODES, compile_loss
 from engine.backends.lora import adapter_parameters
 from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import UserInputError
@@ -302,7 +302,7 @@ def test_a_loss_handle_traced_by_the_sdk_compiles_with_every_op_it_records() -> 
     compiled = compile_loss(wire)
     lp = torch.randn(6)
     x = torch.randn(6)
-    from engine.backends.custom_loss import run_loss
+    from engine.backends.custom_loss_graph import run_loss
 
     ours, _ = run_loss(compiled, lp, [x], "data[0]")
     theirs, _ = handle.graph(lp, x)
