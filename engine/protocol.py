@@ -199,12 +199,34 @@ REFUSED_LOSS_FNS = {
 }
 
 
+#: the loss name of a server-side custom loss (Tinker's ``loss_fn="custom"``)
+CUSTOM_LOSS_FN = "custom"
+#: a custom loss graph's bounds: nodes, and nesting of a node's arguments (the gateway refuses
+#: larger uploads before they travel; engine/backends/custom_loss_graph.py checks everything else)
+CUSTOM_LOSS_MAX_NODES = 2048
+CUSTOM_LOSS_MAX_ARG_DEPTH = 8
+
+
+@dataclass(frozen=True)
+class CustomLossGraph:
+    """A traced custom loss as the Tinker SDK uploads it (``create_custom_loss``): ``inputs`` are
+    (name, rank) pairs, ``logprobs`` first; ``nodes`` the torch.fx nodes as plain JSON data
+    (``{"op", "name", "target", "args", "kwargs"}``). Checked and run by
+    engine/backends/custom_loss_graph.py; the gateway stores it per session."""
+
+    name: str
+    inputs: tuple[tuple[str, int], ...]
+    nodes: tuple[dict[str, Any], ...]
+
+
 @dataclass
 class ForwardBackwardInput:
     data: list[DatumInput]
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float | str] = field(default_factory=dict)
     forward_only: bool = False
+    #: the graph of ``loss_fn == CUSTOM_LOSS_FN`` (the gateway attaches it by ``loss_id``)
+    custom_loss: CustomLossGraph | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from engine.config import ModelConfig
 from engine.native import NativeModelHost
 from engine.protocol import (
     AdamParams,
+    CustomLossGraph,
     ForwardBackwardInput,
     ForwardBackwardOutput,
     LoraSpec,
@@ -114,6 +116,14 @@ class Trainer:
             "seq_len": seq_len,
             "repeats": 3,  # min of 3: one disturbed timing on a shared machine must not decide
         }
+
+    async def check_custom_loss(self, graph: CustomLossGraph) -> None:
+        """Check an uploaded custom loss graph (a UserInputError naming the node and the rule);
+        the gateway stores it only if this passes. Needs no model, so any replica answers."""
+        # imported here: it needs torch, and a Trainer on the mock backend runs without torch
+        from engine.backends.custom_loss_graph import compile_loss
+
+        compile_loss(graph)
 
     async def info(self) -> dict:
         return {
@@ -249,14 +259,22 @@ class Trainer:
             )
 
     async def _save_state(
-        self, model_id: str, seq_id: int, directory: str, include_optimizer: bool
+        self,
+        model_id: str,
+        seq_id: int,
+        directory: str,
+        include_optimizer: bool,
+        age_recipients: Sequence[str],
     ) -> int:
         async with self._seq.turn(model_id, seq_id):
             return await self._compute(
                 model_id,
                 FIXED_COST,
                 lambda: self.backend.save_state(
-                    model_id, directory, include_optimizer=include_optimizer
+                    model_id,
+                    directory,
+                    include_optimizer=include_optimizer,
+                    age_recipients=age_recipients,
                 ),
                 "save",
             )
@@ -298,11 +316,20 @@ class Trainer:
         return await self._once.run((model_id, seq_id), lambda: self._skip(model_id, seq_id))
 
     async def save_state(
-        self, model_id: str, seq_id: int, directory: str, include_optimizer: bool
+        self,
+        model_id: str,
+        seq_id: int,
+        directory: str,
+        include_optimizer: bool,
+        age_recipients: Sequence[str] = (),
     ) -> int:
+        """In seq order: write the adapter to ``directory``; with ``age_recipients``, as an
+        age-encrypted export (`TrainingBackend.save_state`)."""
         return await self._once.run(
             (model_id, seq_id),
-            lambda: self._save_state(model_id, seq_id, directory, include_optimizer),
+            lambda: self._save_state(
+                model_id, seq_id, directory, include_optimizer, tuple(age_recipients)
+            ),
         )
 
     async def load_state(

@@ -83,6 +83,11 @@ class ServerConfig(EngineConfig):
     session_sweep_seconds: float = Field(
         default=30.0, gt=0, description="How often expired sessions and checkpoints are swept"
     )
+    custom_loss_server_side: bool = Field(
+        default=True,
+        description="Run the SDK's traced custom losses on the server (create_custom_loss, "
+        "loss_fn='custom': one forward_backward); off, the SDK runs them client-side",
+    )
     download_url_ttl_seconds: float = Field(
         default=3600.0, gt=0, description="Lifetime of signed external-weights download URLs"
     )

@@ -33,6 +33,7 @@ from gateway.settings import Secrets, Settings
 from gateway.tinker_api import (
     checkpoints,
     compat,
+    custom_losses,
     exports,
     jobs,
     retrieve,
@@ -129,9 +130,9 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         app.include_router(metrics_router(config.gateway.metrics_require_admin))
     # exports / checkpoints before runs: their .../{checkpoint_id:path}/publish|ttl|... routes
     # must be tried before runs' DELETE .../{checkpoint_id:path}.
-    for module in (sessions, session_search, session_queries, session_traces, training, saves):
+    for module in (sessions, session_search, session_queries, session_traces, training):
         app.include_router(module.router)
-    for module in (exports, sampling, retrieve, compat):
+    for module in (custom_losses, saves, exports, sampling, retrieve, compat):
         app.include_router(module.router)
     for module in (checkpoints, runs, openai_api, twinkle_api):
         app.include_router(module.router)

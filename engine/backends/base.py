@@ -148,10 +148,19 @@ class TrainingBackend(ABC):
 
     # -- checkpoints ---------------------------------------------------------------------------
     @abstractmethod
-    def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
+    def save_state(
+        self,
+        adapter_id: str,
+        directory: str,
+        *,
+        include_optimizer: bool,
+        age_recipients: Sequence[str] = (),
+    ) -> int:
         """Write a PEFT-format checkpoint (plus optimizer state if asked) atomically to
         ``directory`` (which must not exist: CheckpointError). Returns the total bytes written.
-        A pending gradient is not saved."""
+        A pending gradient is not saved. With ``age_recipients`` every file but the manifest is
+        encrypted to them in memory before it is written, named ``<file>.age``
+        (engine/backends/age_seal.py): an encrypted export, which nothing here loads again."""
 
     @abstractmethod
     def load_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> LoraSpec:

@@ -19,6 +19,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.backends.age_seal import Sealer, plain
 from engine.errors import CheckpointError
 from engine.protocol import LoraSpec
 
@@ -66,7 +67,15 @@ def write_checkpoint_dir(target: Path, fill: Callable[[Path], None]) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_state(directory: Path, spec: LoraSpec, step: int, has_optimizer: bool, base: str) -> None:
+def write_state(
+    directory: Path,
+    spec: LoraSpec,
+    step: int,
+    has_optimizer: bool,
+    base: str,
+    seal: Sealer = plain,
+) -> None:
+    """``twinkle_state.json``, through ``seal`` (an encrypted export encrypts it too)."""
     state = {
         "format": CHECKPOINT_FORMAT,
         "spec": asdict(spec),
@@ -74,7 +83,8 @@ def write_state(directory: Path, spec: LoraSpec, step: int, has_optimizer: bool,
         "has_optimizer": bool(has_optimizer),
         "base_model": base,
     }
-    (directory / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    name, data = seal(STATE_FILE, (json.dumps(state, indent=2, sort_keys=True) + "\n").encode())
+    (directory / name).write_bytes(data)
 
 
 def verify_manifest(path: Path) -> dict:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.backends.age_seal import Sealer, plain
 from engine.backends.peft_files import (
     read_adapter_config,
     read_adapter_tensors,
@@ -312,13 +313,15 @@ def save_adapter(
     spec: LoraSpec,
     directory: str | Path,
     base_model_name: str = "",
+    seal: Sealer = plain,
 ) -> list[Path]:
-    """Write the PEFT files of one adapter into an existing ``directory``; returns their paths."""
+    """Write the PEFT files of one adapter into an existing ``directory`` (through ``seal``:
+    engine/backends/age_seal.py); returns their paths."""
     params = adapter_parameters(model, adapter_id)
     used = sorted(
         {layer.target_name for layer in lora_layers(model) if adapter_id in layer.adapters}
     )
-    return write_adapter_files(directory, params, spec, used, base_model_name)
+    return write_adapter_files(directory, params, spec, used, base_model_name, seal)
 
 
 def load_adapter_weights(model: nn.Module, adapter_id: str, directory: str | Path) -> None:

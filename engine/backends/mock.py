@@ -35,6 +35,7 @@ import numpy as np
 
 from engine.backends import checkpoint_io as ckpt
 from engine.backends.adapter_cache import WEIGHTS_FILE, AdapterDirCache
+from engine.backends.age_seal import age_sealer, plain
 from engine.backends.base import (
     GradOp,
     SamplingBackend,
@@ -318,13 +319,20 @@ class MockTrainingBackend(TrainingBackend):
         return OptimStepOutput(metrics=metrics)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
-        from safetensors.numpy import save_file
+    def save_state(
+        self,
+        adapter_id: str,
+        directory: str,
+        *,
+        include_optimizer: bool,
+        age_recipients: Sequence[str] = (),
+    ) -> int:
+        from safetensors.numpy import save, save_file
 
         st = self._get(adapter_id)
+        seal = age_sealer(age_recipients) or plain
 
         def fill(tmp: Path) -> None:
-            save_file({"mock.w": st.w, "mock.a": st.a}, str(tmp / WEIGHTS_FILE))
             config = {
                 "peft_type": "LORA",
                 "r": st.spec.rank,
@@ -332,8 +340,13 @@ class MockTrainingBackend(TrainingBackend):
                 "target_modules": ["mock"],
                 "base_model_name_or_path": self.base_model_name,
             }
-            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-            ckpt.write_state(tmp, st.spec, st.step, include_optimizer, self.base_model_name)
+            for name, data in (
+                (WEIGHTS_FILE, save({"mock.w": st.w, "mock.a": st.a})),
+                ("adapter_config.json", (json.dumps(config, indent=2) + "\n").encode()),
+            ):
+                out_name, out = seal(name, data)
+                (tmp / out_name).write_bytes(out)
+            ckpt.write_state(tmp, st.spec, st.step, include_optimizer, self.base_model_name, seal)
             if include_optimizer:
                 assert st.m is not None and st.v is not None  # set by fresh_optimizer()
                 save_file({"m": st.m, "v": st.v}, str(tmp / OPTIMIZER_FILE))

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
+from engine.backends.age_seal import Sealer, plain
 from engine.errors import CheckpointError
 from engine.protocol import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, VISION_TARGETS, LoraSpec
 
@@ -54,19 +55,27 @@ def write_adapter_files(
     spec: LoraSpec,
     targets: list[str],
     base_model_name: str = "",
+    seal: Sealer = plain,
 ) -> list[Path]:
     """``adapter_model.safetensors`` (float32, PEFT names) + ``adapter_config.json`` for
-    ``targets`` (short module names) into an existing ``directory``; returns their paths."""
+    ``targets`` (short module names) into an existing ``directory``; returns their paths. Both
+    are built in memory and pass through ``seal`` (engine/backends/age_seal.py) on their way to
+    the disk, so an encrypted export never writes plaintext."""
     directory = Path(directory)
     tensors = {
         k: t.detach().to("cpu", torch.float32).contiguous().clone() for k, t in tensors.items()
     }
-    weights_path = directory / ADAPTER_WEIGHTS_NAME
-    save_file(tensors, str(weights_path), metadata={"format": "pt"})
-    config_path = directory / ADAPTER_CONFIG_NAME
     body = peft_config_dict(spec, sorted(targets), base_model_name)
-    config_path.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return [weights_path, config_path]
+    files = {
+        ADAPTER_WEIGHTS_NAME: save(tensors, metadata={"format": "pt"}),
+        ADAPTER_CONFIG_NAME: (json.dumps(body, indent=2, sort_keys=True) + "\n").encode(),
+    }
+    paths = []
+    for name, data in files.items():
+        out_name, out = seal(name, data)
+        (directory / out_name).write_bytes(out)
+        paths.append(directory / out_name)
+    return paths
 
 
 def read_adapter_config(directory: str | Path, seed: int = 0) -> LoraSpec:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,7 +18,10 @@ from engine.backends.losses import LossSpec, get_loss, parse_config
 from engine.backends.tinker_dpo import tinker_dpo
 from engine.backends.vision import PREPROCESSED_KEYS, Vision, VisionInputs
 from engine.errors import UserInputError
-from engine.protocol import ForwardBackwardInput
+from engine.protocol import CUSTOM_LOSS_FN, ForwardBackwardInput
+
+if TYPE_CHECKING:
+    from engine.backends.custom_loss_graph import CompiledLoss
 
 
 @dataclass
@@ -39,6 +43,8 @@ class Request:
     data: list[Datum]
     forward_only: bool
     disable_lora: bool
+    #: the checked graph of a ``custom`` loss (engine/backends/custom_loss_graph.py), else None
+    custom: CompiledLoss | None = None
 
     @property
     def units(self) -> list[list[int]]:
@@ -225,6 +231,10 @@ def validate_request(
 ) -> Request:
     """Check the whole request (loss name, config, every datum) before any compute; ``vision``
     (VL models) expands and processes images, a text model refuses them."""
+    if inp.loss_fn == CUSTOM_LOSS_FN:  # a traced loss: its own checks (it uses `_datum`)
+        from engine.backends.custom_loss import validate_custom_request
+
+        return validate_custom_request(inp, vocab, max_positions, vision)
     inp = tinker_dpo(inp)
     loss = get_loss(inp.loss_fn)
     config, disable_lora = parse_config(loss, inp.loss_fn_config, bool(inp.forward_only))

@@ -20,7 +20,8 @@ from typing import cast
 import torch
 
 from engine.backends import checkpoint_io as ckpt
-from engine.backends import losses
+from engine.backends import custom_loss, losses
+from engine.backends.age_seal import age_sealer, plain
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
 from engine.backends.embedding_loss import embedding_loss
 from engine.backends.lora import (
@@ -300,9 +301,8 @@ class TransformersTrainingBackend(TrainingBackend):
             ]
             refs = [ref.get(start + k) for k in range(len(idx))]
             job = jobs[j]
-            loss = losses.request_loss(
-                job.req, idx, lps, refs, job.outputs, job.metrics, self.device
-            )
+            run = custom_loss.request_loss if job.req.custom else losses.request_loss
+            loss = run(job.req, idx, lps, refs, job.outputs, job.metrics, self.device)
             total = loss if total is None else total + loss
             start += len(idx)
         if grad and total is not None and total.requires_grad:
@@ -319,12 +319,22 @@ class TransformersTrainingBackend(TrainingBackend):
 
     # ------------------------------------------------------------------------------- checkpoints
 
-    def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
+    def save_state(
+        self,
+        adapter_id: str,
+        directory: str,
+        *,
+        include_optimizer: bool,
+        age_recipients: Sequence[str] = (),
+    ) -> int:
         st = self._get(adapter_id)
+        seal = age_sealer(age_recipients) or plain
+        if include_optimizer and seal is not plain:
+            raise UserInputError("age_encryption_recipients: exports hold no optimizer state")
 
         def fill(tmp: Path) -> None:
-            save_adapter(self.model, adapter_id, st.spec, tmp, self.base_model_name)
-            ckpt.write_state(tmp, st.spec, st.step, include_optimizer, self.base_model_name)
+            save_adapter(self.model, adapter_id, st.spec, tmp, self.base_model_name, seal)
+            ckpt.write_state(tmp, st.spec, st.step, include_optimizer, self.base_model_name, seal)
             if include_optimizer:
                 state = ckpt.optimizer_state_by_name(list(st.params), st.optimizer)
                 torch.save(state, tmp / ckpt.OPTIMIZER_FILE)

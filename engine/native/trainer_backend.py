@@ -15,6 +15,7 @@ never waits for the worker, so this cannot deadlock.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.backends.base import TrainingBackend
@@ -94,9 +95,18 @@ class TrainerBackend(TrainingBackend):
         rid, seq = self._seq(adapter_id)
         return self._call("optim_step", rid, seq, params)
 
-    def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
+    def save_state(
+        self,
+        adapter_id: str,
+        directory: str,
+        *,
+        include_optimizer: bool,
+        age_recipients: Sequence[str] = (),
+    ) -> int:
         rid, seq = self._seq(adapter_id)
-        return int(self._call("save_state", rid, seq, directory, include_optimizer))
+        return int(
+            self._call("save_state", rid, seq, directory, include_optimizer, tuple(age_recipients))
+        )
 
     def load_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> LoraSpec:
         rid = self.run_id(adapter_id)

@@ -5,8 +5,9 @@ Tinker state: users, API keys, sessions, training runs, checkpoints, samplers. H
 state (migration ``0002_accounts``): organizations (``users.org_id``), quota limits (one named
 limit for an org, ``subject_type="org"``, or a user override, ``subject_type="user"``), the usage
 ledger (hourly buckets per hour, user, session, base model, kind) and the audit log (a key's
-display prefix at most, never the key). Session traces (``0004_request_traces``): one row per
-finished request of a session (kind, target, times, status; never a payload).
+display prefix at most, never the key). A session's server-side custom losses (migration
+``0004_custom_losses``). Session traces (``0005_request_traces``): one row per finished request
+of a session (kind, target, times, status; never a payload).
 
 These are neither wire schemas nor engine types. Timestamps are stored as naive UTC: every
 timestamp column is annotated ``NaiveDatetime`` because sqlmodel >= 0.0.50 maps a plain ``datetime``
@@ -117,6 +118,25 @@ class TrainingRunRow(SQLModel, table=True):
             "train_vision": self.train_vision,
             "seed": self.seed,
         }
+
+
+class CustomLossRow(SQLModel, table=True):
+    """A traced loss uploaded by a session (``create_custom_loss``): ``id`` is
+    ``{session_id}:loss:{custom_loss_seq_id}``, usable only by that session's training clients
+    (``loss_fn="custom"``, ``loss_fn_config={"loss_id": id}``). ``inputs`` are ``[name, rank]``
+    pairs, ``nodes`` the SDK's graph nodes, checked by the engine before the row is written;
+    ``fingerprint`` tells a retry of the same upload from a different loss under the same id."""
+
+    __tablename__ = "custom_losses"  # pyright: ignore[reportAssignmentType]
+
+    id: str = Field(primary_key=True, max_length=128)
+    session_id: str = Field(foreign_key="sessions.id", index=True)
+    user_id: int = Field(foreign_key="users.id", index=True)
+    name: str = Field(max_length=128)
+    inputs: list[Any] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    nodes: list[Any] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    fingerprint: str = Field(max_length=64)
+    created_at: NaiveDatetime = Field(default_factory=utcnow)
 
 
 class CheckpointRow(SQLModel, table=True):

@@ -8,6 +8,12 @@ expiry): whoever holds a URL can download without an API key until it expires; a
 signature does not match is 403, an expired one 410, a deleted checkpoint 404. The signing key is
 ``$TWINKLE_URL_SIGNING_KEY`` or a random key kept in ``<data_dir>/secrets/url_signing.key`` (so
 every replica and restart shares it).
+
+With ``age_encryption_recipients`` (1 to 10 age recipients, each checked here) the export is
+age-encrypted: the engine encrypts each file in memory before it is written
+(engine/backends/age_seal.py), so the export store holds only ciphertext, named ``<file>.age``
+(the SDK's convention); the URLs serve that ciphertext, and ``age -d -i <identity>`` gives the
+PEFT files back.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pyrage
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
@@ -42,6 +49,37 @@ from gateway.tinker_api.sequenced import Run, TinkerDep, future_json, submit_seq
 
 router = APIRouter(prefix="/api/v1")
 EXPORT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+AGE_SUFFIX = ".age"  # the SDK's name for an encrypted file (save_weights_external's docs)
+RECIPIENTS, MAX_RECIPIENTS = "age_encryption_recipients", 10  # the SDK's documented limit
+
+
+def _recipients(keys: list[str] | None) -> tuple[str, ...]:
+    """The age recipients of an encrypted export (None: a plain one), each parsed as age does:
+    an ``age1...`` X25519 key (bech32) or an ``ssh-ed25519`` / ``ssh-rsa`` public key. A bad
+    one fails the save in order, naming ``age_encryption_recipients[i]``."""
+    if keys is None:
+        return ()
+    if not 0 < len(keys) <= MAX_RECIPIENTS:
+        raise InvalidRequestError(
+            f"{RECIPIENTS}: give 1 to {MAX_RECIPIENTS} recipients (or none for a plain export), "
+            f"got {len(keys)}"
+        )
+    for i, key in enumerate(keys):
+        kind = pyrage.ssh if key.startswith("ssh-") else pyrage.x25519
+        try:
+            kind.Recipient.from_str(key.strip())
+        except pyrage.RecipientError as e:
+            raise InvalidRequestError(
+                f"{RECIPIENTS}[{i}]: not an age recipient (an 'age1...' X25519 key or an "
+                f"'ssh-ed25519' / 'ssh-rsa' public key): {e}"
+            ) from None
+    return tuple(k.strip() for k in keys)
+
+
+def export_files(row: CheckpointRow) -> tuple[str, ...]:
+    """The files of an export: ``<file>.age`` for an encrypted one (its directory says which)."""
+    encrypted = (Path(row.storage_dir) / (EXPORT_FILES[1] + AGE_SUFFIX)).is_file()
+    return tuple(f + AGE_SUFFIX for f in EXPORT_FILES) if encrypted else EXPORT_FILES
 
 
 def _signature(key: bytes, row: CheckpointRow, filename: str, expires: int) -> str:
@@ -56,12 +94,11 @@ async def save_weights_external(req: SaveWeightsExternalRequest, t: TinkerDep) -
     run = owned_run(t.db, t.who, req.model_id, live=True)
 
     async def prepare() -> Run:
-        if req.age_encryption_recipients:
-            raise InvalidRequestError(
-                "age_encryption_recipients: encrypted exports are not supported by this server"
-            )
+        recipients = _recipients(req.age_encryption_recipients)
         validate_name(req.path, "path")
-        spec = SaveSpec("external", req.path, True, req.ttl_seconds, None, False)
+        spec = SaveSpec(
+            "external", req.path, True, req.ttl_seconds, None, False, age_recipients=recipients
+        )
         return await prepare_save(t, run, req.seq_id, spec)
 
     rec = await submit_sequenced(t, run, req.seq_id, fp, "save", prepare)
@@ -96,7 +133,7 @@ async def external_weights_urls(
     urls = {
         name: f"{base}/api/v1/external_weights/{row.id}/{name}"
         f"?expires={expires}&sig={_signature(key, row, name, expires)}"
-        for name in EXPORT_FILES
+        for name in export_files(row)
     }
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
@@ -114,7 +151,7 @@ async def download_external_weights(
     # an id beyond a 64-bit key cannot exist (and SQLite would raise OverflowError: a 500)
     ok_id = 0 < checkpoint_row_id < 2**63
     row = db.get(CheckpointRow, checkpoint_row_id) if ok_id else None
-    if filename not in EXPORT_FILES or row is None or row.kind != "external":
+    if row is None or row.kind != "external" or filename not in export_files(row):
         raise NotFoundError("download: no such file")
     good = _signature(secrets.url_signing, row, filename, expires)
     # bytes: compare_digest refuses str with non-ASCII characters (TypeError: a 500, found by

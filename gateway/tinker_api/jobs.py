@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from engine.errors import UserInputError
-from engine.protocol import AdamParams, LoraSpec
+from engine.protocol import AdamParams, CustomLossGraph, LoraSpec
 from gateway.engine_client import EngineClient
 from gateway.tinker_api.proto_codec import decode_forward_backward, encode_forward_backward_output
 
@@ -29,16 +29,28 @@ def create_adapter_job(base: str, model_id: str, spec: LoraSpec, tenant: str) ->
     ]
 
 
-def forward_backward_job(base: str, model_id: str, seq_id: int, body: bytes) -> Job:
-    return [
-        "forward_backward",
-        {
-            "base": base,
-            "model_id": model_id,
-            "seq_id": seq_id,
-            "body": base64.b64encode(body).decode(),
-        },
-    ]
+def forward_backward_job(
+    base: str, model_id: str, seq_id: int, body: bytes, custom_loss: dict | None = None
+) -> Job:
+    """``custom_loss``: the stored graph of a ``loss_fn="custom"`` request (JSON), attached to
+    the engine input (gateway/tinker_api/custom_losses.py)."""
+    params = {
+        "base": base,
+        "model_id": model_id,
+        "seq_id": seq_id,
+        "body": base64.b64encode(body).decode(),
+    }
+    if custom_loss is not None:
+        params["custom_loss"] = custom_loss
+    return ["forward_backward", params]
+
+
+def _custom_graph(params: dict) -> CustomLossGraph:
+    return CustomLossGraph(
+        name=params["name"],
+        inputs=tuple((str(n), int(r)) for n, r in params["inputs"]),
+        nodes=tuple(params["nodes"]),
+    )
 
 
 def optim_step_job(base: str, model_id: str, seq_id: int, params: AdamParams) -> Job:
@@ -59,6 +71,8 @@ async def _run(engine: EngineClient, name: str, p: dict) -> tuple[str, Any]:
         return "json", {"model_id": model_id, "type": "create_model"}
     if name == "forward_backward":
         _, seq_id, inp = decode_forward_backward(base64.b64decode(p["body"]))
+        if p.get("custom_loss") is not None:
+            inp = replace(inp, custom_loss=_custom_graph(p["custom_loss"]))
         out = await engine.trainer(base, "forward_backward", model_id, p["seq_id"], inp)
         return "proto", encode_forward_backward_output(out)
     if name == "optim_step":

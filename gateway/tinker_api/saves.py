@@ -50,6 +50,8 @@ class SaveSpec:
     ephemeral: bool = False
     #: an ephemeral save creates this sampling session, and the future answers its id
     sampling_session_id: str | None = None
+    #: an export encrypted to these age recipients (gateway/tinker_api/exports.py)
+    age_recipients: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,13 @@ async def run_save(
     who, path = t.who, res.parsed.tinker_path
     try:
         size = await t.engine.trainer(
-            run.base_model, "save_state", run.id, seq_id, str(res.directory), spec.include_optimizer
+            run.base_model,
+            "save_state",
+            run.id,
+            seq_id,
+            str(res.directory),
+            spec.include_optimizer,
+            spec.age_recipients,
         )
     except BaseException:
         if not spec.ephemeral and not res.replaces:

@@ -49,17 +49,19 @@ async def healthz(config: ConfigDep, engine: EngineDep) -> dict | JSONResponse:
 
 
 @router.post("/client/config", **returns(ClientConfigResponse))
-async def client_config(req: ClientConfigRequest, who: PrincipalDep, request: Request) -> dict:
+async def client_config(
+    req: ClientConfigRequest, who: PrincipalDep, request: Request, config: ConfigDep
+) -> dict:
     """The features this server negotiates with the SDK."""
     # Features are negotiated here. API keys (or JWTs when gateway.jwt_enabled), uncompressed
-    # protobuf fwd/bwd bodies, no session-wide retrieve_futures, custom losses run client-side
-    # (tinker-protocol.md §10).
+    # protobuf fwd/bwd bodies, no session-wide retrieve_futures, custom losses server-side unless
+    # configured off (tinker-protocol.md §10; gateway/tinker_api/custom_losses.py).
     return {
         "pjwt_auth_enabled": getattr(request.app.state, "jwt", None) is not None,
         "proto_compress_fwdbwd": False,
         "sample_use_retrieve_futures": False,
         "sample_join_sampling_session": False,
-        "custom_loss_server_side": False,
+        "custom_loss_server_side": config.custom_loss_server_side,
     }
 
 

@@ -14,7 +14,7 @@ import json
 import zstandard
 from fastapi import APIRouter, Request
 
-from engine.protocol import AdamParams, LoraSpec
+from engine.protocol import CUSTOM_LOSS_FN, AdamParams, LoraSpec
 from gateway.db.tables import TrainingRunRow
 from gateway.deps import owned_run, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
@@ -22,7 +22,7 @@ from gateway.futures.store import fingerprint
 from gateway.images import check_images
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.runs.request_log import trace_tag
-from gateway.tinker_api import compat, jobs
+from gateway.tinker_api import compat, custom_losses, jobs
 from gateway.tinker_api.proto_codec import decode_forward_backward, image_token_count
 from gateway.tinker_api.schemas import (
     CreateModelRequest,
@@ -215,9 +215,11 @@ async def forward_backward(request: Request, t: TinkerDep) -> dict:
         # Over the rate: 429 + retry-after (the SDK resends this seq_id); a request that can
         # never fit is a QuotaExceededError, which fails this seq_id in order.
         await t.quotas.charge_tokens(t.who, "train", n_tokens, t.quotas.limits(t.who, t.db))
-        return _metered(
-            t, run, jobs.forward_backward_job(run.base_model, model_id, seq_id, body), n_tokens
-        )
+        graph = None
+        if inp.loss_fn == CUSTOM_LOSS_FN:  # the session's stored graph travels with the job
+            graph = custom_losses.attached_graph(t, run, inp.loss_fn_config)
+        job = jobs.forward_backward_job(run.base_model, model_id, seq_id, body, graph)
+        return _metered(t, run, job, n_tokens)
 
     rec = await submit_sequenced(t, run, seq_id, fp, kind, prepare)
     return future_json(rec, model_id)

@@ -27,7 +27,6 @@ _PARAM = re.compile(r"\{[^}]*\}")
 
 #: (METHOD-less) SDK routes we do not serve, and why (the README's table says the same)
 UNSUPPORTED = {
-    "/api/v1/create_custom_loss": "server-side custom losses are off; the SDK runs them locally",
     "/api/v1/join_sampling_session": "opt-in flag sample_join_sampling_session is off",
     "/api/v1/retrieve_futures": "opt-in flag sample_use_retrieve_futures is off",
     "/api/v1/cancel_future": "opt-in flag sample_cancel_enabled is off",

@@ -43,10 +43,12 @@ TABLES = {
     "quota_limits",
     "usage_buckets",
     "audit_events",
-    # 0004_request_traces
+    # 0004_custom_losses
+    "custom_losses",
+    # 0005_request_traces
     "request_traces",
 }
-HEAD = "0004_request_traces"
+HEAD = "0005_request_traces"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -230,9 +230,22 @@ class MegatronTrainingBackend(TrainingBackend):
     def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
         return self._call("optim_step", adapter_id, params)
 
-    def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
+    def save_state(
+        self,
+        adapter_id: str,
+        directory: str,
+        *,
+        include_optimizer: bool,
+        age_recipients: Sequence[str] = (),
+    ) -> int:
         return int(
-            self._call("save_state", adapter_id, directory, include_optimizer=include_optimizer)
+            self._call(
+                "save_state",
+                adapter_id,
+                directory,
+                include_optimizer=include_optimizer,
+                age_recipients=tuple(age_recipients),
+            )
         )
 
     def load_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> LoraSpec:

@@ -10,7 +10,7 @@ rank's slice. Errors found on rank 0 are broadcast, so every rank raises the sam
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine.backends import checkpoint_io as ckpt
+from engine.backends.age_seal import age_sealer, plain
 from engine.backends.lora import target_module_names
 from engine.backends.peft_files import (
     read_adapter_config,
@@ -89,8 +90,16 @@ class WorkerCheckpoints:
             raise value
         return value
 
-    def save_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> int:
+    def save_state(
+        self,
+        adapter_id: str,
+        directory: str,
+        *,
+        include_optimizer: bool,
+        age_recipients: Sequence[str] = (),
+    ) -> int:
         st = self._get(adapter_id)
+        seal = age_sealer(age_recipients) or plain  # checked on every rank: the same error
         target = Path(directory)
         if target.exists():  # checked on every rank before any collective (one host's disk)
             raise CheckpointError(f"checkpoint directory {target} already exists")
@@ -126,9 +135,16 @@ class WorkerCheckpoints:
         def write() -> int:
             def fill(tmp: Path) -> None:
                 write_adapter_files(
-                    tmp, {n: weights[n] for n in names}, st.spec, targets, self.base_model_name
+                    tmp,
+                    {n: weights[n] for n in names},
+                    st.spec,
+                    targets,
+                    self.base_model_name,
+                    seal,
                 )
-                ckpt.write_state(tmp, st.spec, st.step, include_optimizer, self.base_model_name)
+                ckpt.write_state(
+                    tmp, st.spec, st.step, include_optimizer, self.base_model_name, seal
+                )
                 if opt_state is not None:
                     torch.save(opt_state, tmp / ckpt.OPTIMIZER_FILE)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.backends import losses
+from engine.backends import custom_loss, losses
 from engine.backends.base import GradOp, check_grad_op
 from engine.backends.megatron import compat
 from engine.backends.megatron.arch import read_arch
@@ -289,9 +289,8 @@ class MegatronWorker(WorkerCheckpoints):
                 for k, d in enumerate(job.req.data[i] for i in idx)
             ]
             ref = [refs.get((j, i)) for i in idx]
-            total = total + losses.request_loss(
-                job.req, idx, lps, ref, job.outputs, job.metrics, self.device
-            )
+            run = custom_loss.request_loss if job.req.custom else losses.request_loss
+            total = total + run(job.req, idx, lps, ref, job.outputs, job.metrics, self.device)
             start += len(idx)
         return total
 

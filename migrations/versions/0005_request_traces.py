@@ -2,8 +2,8 @@
 
 Mirrors ``gateway/db/tables.py`` exactly (no autogenerate drift).
 
-Revision ID: 0004_request_traces
-Revises: 0003_train_vision
+Revision ID: 0005_request_traces
+Revises: 0004_custom_losses
 """
 
 from collections.abc import Sequence
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0004_request_traces"
-down_revision: str | None = "0003_train_vision"
+revision: str = "0005_request_traces"
+down_revision: str | None = "0004_custom_losses"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

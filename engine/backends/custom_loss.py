@@ -1,0 +1,121 @@
+"""Server-side custom losses in a training request (``loss_fn="custom"``): the rows of a request,
+and their loss inside the training pass.
+
+Owns `validate_custom_request` (the graph compiled by engine/backends/custom_loss_graph.py, each
+row's inputs at their declared ranks, each row dry-run once on its real shapes before any compute)
+and `request_loss` (the loss of some rows, the signature of `losses.request_loss`, which the
+backends call for every other loss).
+
+The semantics are the SDK's client-side `run_loss_handle` (tinker/lib/public_interfaces/
+custom_loss.py), so both paths give the same loss and gradient: the graph runs once per datum on
+(logprobs, *inputs), where logprobs are the learner's log-probs of ``target_tokens`` (float32,
+[N] or [N, K]: the rank of target_tokens) and each input is ``loss_fn_inputs[name]`` as sent
+(float32 or int64) at its declared rank; a datum's loss must be a scalar; losses add up over
+datums (``loss:sum``); metrics are scalars keyed ``custom/<name>:sum`` (summed over datums) or
+``:mean`` (averaged). The summed loss backpropagates into the adapter in the same pass: one round
+trip instead of the client path's two (forward, then a cross-entropy surrogate with
+``weights = -dLoss/dlogprobs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.backends.custom_loss_graph import CompiledLoss, compile_loss, run_loss
+from engine.backends.losses import LossSpec, MetricSums
+from engine.backends.train_batching import Request, _datum
+from engine.errors import UserInputError
+from engine.protocol import CUSTOM_LOSS_FN, ForwardBackwardInput
+
+if TYPE_CHECKING:
+    from engine.backends.vision import Vision
+
+#: the loss's row spec: target_tokens [N] or [N, K]; its inputs are the graph's, checked here
+SPEC = LossSpec(CUSTOM_LOSS_FN, top_k=True)
+__all__ = ["SPEC", "CompiledLoss", "request_loss", "validate_custom_request"]
+
+
+def _input(arr: np.ndarray, rank: int, field: str) -> np.ndarray:
+    """A loss_fn_input at its declared rank (a scalar arrives as one value: the protobuf has no
+    empty shape)."""
+    if rank == 0 and arr.size == 1:
+        return arr.reshape(())
+    if arr.ndim != rank:
+        raise UserInputError(f"{field}: rank {arr.ndim}, but the custom loss declared rank {rank}")
+    if arr.dtype.kind not in "fiub":
+        raise UserInputError(f"{field}: must be float32 or int64")
+    return arr.astype(np.float32 if arr.dtype.kind == "f" else np.int64, copy=False)
+
+
+def validate_custom_request(
+    inp: ForwardBackwardInput, vocab: int, max_positions: int, vision: Vision | None
+) -> Request:
+    """A ``custom`` request: its graph compiled, each row's inputs at their declared ranks, and
+    the loss dry-run once per row on zero logprobs of the row's real shape (so a shape error
+    fails here, naming the node, before any compute)."""
+    if inp.custom_loss is None:
+        raise UserInputError("loss_fn_config.loss_id: no custom loss attached to this request")
+    extra = sorted(set(inp.loss_fn_config or {}) - {"loss_id"})
+    if extra:
+        raise UserInputError(f"loss_fn_config.{extra[0]}: loss_fn 'custom' takes only loss_id")
+    compiled = compile_loss(inp.custom_loss)
+    if not inp.data:
+        raise UserInputError("data: must contain at least one datum")
+    data = []
+    for i, d in enumerate(inp.data):
+        f = f"data[{i}]"
+        row = _datum(d, f, SPEC, vocab, max_positions, vision)
+        if (
+            row.targets.ndim != 2
+            or (row.two_d and compiled.ranks[0] != 2)
+            or (not row.two_d and compiled.ranks[0] != 1)
+        ):
+            raise UserInputError(
+                f"{f}.loss_fn_inputs.target_tokens: logprobs have the rank of target_tokens "
+                f"({2 if row.two_d else 1}), but the custom loss declared {compiled.ranks[0]}"
+            )
+        lfi = d.loss_fn_inputs or {}
+        for name, rank in zip(compiled.input_names, compiled.ranks[1:], strict=True):
+            field = f"{f}.loss_fn_inputs.{name}"
+            if lfi.get(name) is None:
+                raise UserInputError(f"{field}: required by custom loss {compiled.name!r}")
+            row.inputs[name] = _input(np.asarray(lfi[name]), rank, field)
+        lp = torch.zeros(row.targets.shape if row.two_d else row.targets.shape[:1])
+        with torch.no_grad():
+            run_loss(
+                compiled, lp, [torch.from_numpy(row.inputs[n]) for n in compiled.input_names], f
+            )
+        data.append(row)
+    return Request(SPEC, {}, data, bool(inp.forward_only), False, custom=compiled)
+
+
+def request_loss(
+    req: Request,
+    idx: Sequence[int],
+    lps: Sequence[torch.Tensor],
+    refs: Sequence[torch.Tensor | None],
+    outputs: list[dict[str, np.ndarray]],
+    metrics: MetricSums,
+    device: torch.device,
+) -> torch.Tensor:
+    """`losses.request_loss` for a ``custom`` request: the sum of the rows' losses, in datum
+    order as the SDK adds them; writes each row's ``logprobs`` output and adds the metrics."""
+    compiled = req.custom
+    assert compiled is not None
+    total: torch.Tensor | None = None
+    for i, lp in zip(idx, lps, strict=True):
+        d = req.data[i]
+        lp = lp if d.two_d else lp[:, 0]
+        inputs = [torch.from_numpy(d.inputs[n]).to(device) for n in compiled.input_names]
+        loss, mets = run_loss(compiled, lp, inputs, f"data[{i}]")
+        outputs[i] = {"logprobs": lp.detach().cpu().numpy().astype(np.float32)}
+        for key, value in mets.items():
+            metrics.add(key, float(value.detach().reshape(())), 1)
+        total = loss if total is None else total + loss
+    assert total is not None
+    metrics.add("loss:sum", float(total.detach()))
+    return total
