@@ -191,26 +191,24 @@ def _summary(db: Session, row: SessionRow) -> dict[str, Any]:
 
 
 def _scan(db: Session, req: SessionSearchRequest, owners: list[int] | None):
-    """(matching rows, up to ``limit``; the last row examined; whether rows remain after it)."""
+    """(matching rows, up to ``limit``; the row the next page starts after; whether a next page
+    can hold anything): it looks one match ahead, so the last page has no cursor."""
     query = _query(req, owners)
     found: list[SessionRow] = []
     last: SessionRow | None = None
     offset = 0
     while offset < _SCAN_LIMIT:
         batch = db.exec(query.offset(offset).limit(_BATCH)).all()
-        for i, row in enumerate(batch):
+        for row in batch:
             last = row
             if _matches(row, req):
+                if len(found) == req.limit:  # a match beyond this page
+                    return found, found[-1], True
                 found.append(row)
-                if len(found) == req.limit:
-                    more = i + 1 < len(batch) or bool(
-                        db.exec(query.offset(offset + len(batch)).limit(1)).first()
-                    )
-                    return found, last, more
         offset += len(batch)
         if len(batch) < _BATCH:
             return found, last, False
-    return found, last, True
+    return found, last, True  # scan budget spent: the next page goes on after the last row read
 
 
 @router.post("/sessions/search")
