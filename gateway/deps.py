@@ -50,6 +50,9 @@ def get_settings(request: Request) -> Settings:
 #: offsets from a path or query string are bounded by it, so a larger one is a 400 from validation
 #: instead of an OverflowError in the driver (a 500; found by fuzzing)
 DB_INT_MAX = 2**63 - 1
+#: the longest TTL a checkpoint or key may be given: 10 years (a larger one overflowed the expiry
+#: datetime: an OverflowError 500, found by fuzzing); None means no expiry
+MAX_TTL_S = 10 * 365 * 86400
 #: a row id in a path / an optional one in a query string, bounded as above
 PathRowId = Annotated[int, Path(ge=0, le=DB_INT_MAX)]
 QueryRowId = Annotated[int | None, Query(ge=0, le=DB_INT_MAX)]

@@ -23,7 +23,7 @@ from gateway.accounts.service import (
     revoke_key,
 )
 from gateway.db.tables import ApiKeyRow, OrganizationRow, UserRow, utcnow
-from gateway.deps import ConfigDep, DbDep, EngineDep, PathRowId, QueryRowId
+from gateway.deps import MAX_TTL_S, ConfigDep, DbDep, EngineDep, PathRowId, QueryRowId
 from gateway.errors import ConflictError, NotFoundError
 
 router = APIRouter(prefix="/api/v1/admin", tags=["admin"])
@@ -51,7 +51,7 @@ class KeyCreate(_Body):
     user_id: int
     scope: str = "user"
     name: str | None = Field(default=None, max_length=128)
-    expires_in_seconds: int | None = Field(default=None, gt=0)
+    expires_in_seconds: int | None = Field(default=None, gt=0, le=MAX_TTL_S)
 
 
 def _iso(ts: datetime | None) -> str | None:

@@ -25,7 +25,7 @@ from fastapi import APIRouter
 from pydantic import Field
 
 from gateway.db.tables import CheckpointRow, SessionRow, TrainingRunRow, utcnow
-from gateway.deps import DbDep, PrincipalDep, SettingsDep, owned_session
+from gateway.deps import MAX_TTL_S, DbDep, PrincipalDep, SettingsDep, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import ParsedPath, new_storage_dir, parse_path, readable_checkpoint
@@ -39,7 +39,6 @@ from gateway.tinker_api.schemas import (
 )
 
 router = APIRouter(prefix="/api/v1")
-MAX_TTL_S = 10 * 365 * 86400
 
 
 class TtlRequest(WireRequest):

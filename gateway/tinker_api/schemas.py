@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from gateway.deps import MAX_TTL_S
+
 
 class WireRequest(BaseModel):
     """The base of every request body: unknown fields are ignored (see above)."""
@@ -85,7 +87,7 @@ class SaveWeightsRequest(WireRequest):
     seq_id: int = Field(ge=1)
     path: str | None = None
     overwrite: bool = False
-    ttl_seconds: int | None = Field(None, ge=1)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     user_metadata: dict[str, Any] | None = None
 
 
@@ -95,7 +97,7 @@ class SaveWeightsForSamplerRequest(WireRequest):
     path: str | None = None
     sampling_session_seq_id: int | None = Field(None, ge=0)
     kind: str | None = None
-    ttl_seconds: int | None = Field(None, ge=1)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     user_metadata: dict[str, Any] | None = None
 
 
@@ -116,7 +118,7 @@ class SaveWeightsExternalRequest(WireRequest):
     model_id: str
     path: str
     seq_id: int = Field(ge=1)
-    ttl_seconds: int | None = Field(None, ge=1)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
     age_encryption_recipients: list[str] | None = None
 
 

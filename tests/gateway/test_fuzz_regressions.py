@@ -1,7 +1,7 @@
 """5xx found by fuzzing the API (tests/e2e/test_fuzz_api.py), each kept here as a fast regression
 check through the real gateway and DB: integers beyond a 64-bit DB column in a path or query
-string were OverflowErrors in the driver (500); now validation refuses them with a 400 naming the
-parameter, before any query."""
+string were OverflowErrors in the driver (500), and so was an expiry beyond what a datetime holds;
+now validation refuses them with a 400 naming the parameter, before any query."""
 
 from __future__ import annotations
 
@@ -37,3 +37,15 @@ def test_out_of_range_integers_are_a_400_naming_the_parameter(env, method, path,
     assert r.status_code == 400, (r.status_code, r.text)
     assert field in r.json()["detail"]
     assert client.get("/api/v1/healthz").status_code == 200
+
+
+def test_expiry_beyond_ten_years_is_a_400(env) -> None:
+    """A key's expires_in_seconds of 2.9e20 overflowed the expiry datetime (a 500); TTLs of
+    checkpoint saves share the bound."""
+    client, headers = env
+    users = client.get("/api/v1/admin/users", headers=headers).json()["users"]
+    body = {"user_id": users[0]["id"], "expires_in_seconds": 289171298188670894080}
+    r = client.post("/api/v1/admin/keys", json=body, headers=headers)
+    assert r.status_code == 400 and "expires_in_seconds" in r.json()["detail"], r.text
+    body["expires_in_seconds"] = 3600
+    assert client.post("/api/v1/admin/keys", json=body, headers=headers).status_code == 200
