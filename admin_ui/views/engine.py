@@ -21,7 +21,9 @@ def _tenant(users: dict[int, str], tenant: str) -> str:
 def _trainer(stats: dict, users: dict[int, str]) -> None:
     pool = stats.get("pool", {})
     m = st.columns(5)
-    m[0].metric("Execution", stats.get("execution") or "—")
+    execution = stats.get("execution")
+    mode = execution.get("mode") if isinstance(execution, dict) else execution
+    m[0].metric("Execution", mode or "—", help="fused or sequential (auto: measured at start)")
     m[1].metric("Adapters loaded", f"{pool.get('resident', 0)} / {pool.get('capacity', 0)}")
     m[2].metric("Offloaded", fmt.count(pool.get("offloaded")))
     m[3].metric("Evictions / reloads", f"{pool.get('evictions', 0)} / {pool.get('reloads', 0)}")

@@ -52,6 +52,11 @@ async def _stats(engine, model: str, role: str) -> dict:
         return {"error": type(exc).__name__}
 
 
+def _mode(execution) -> str | None:
+    """The Trainer's execution mode: its stats hold ``{"mode": ..., <probe costs>}``."""
+    return execution.get("mode") if isinstance(execution, dict) else execution
+
+
 def _model_row(m, trainer: dict, sampler: dict) -> dict:
     queue = trainer.get("queue") or []
     adapters = trainer.get("adapters") or []
@@ -65,7 +70,7 @@ def _model_row(m, trainer: dict, sampler: dict) -> dict:
         "tenants_queued": sorted({q["tenant"] for q in queue}),
         "adapters_loaded": sum(a["state"] == "loaded" for a in adapters),
         "adapters_offloaded": sum(a["state"] == "offloaded" for a in adapters),
-        "execution": trainer.get("execution"),
+        "execution": _mode(trainer.get("execution")),
         "error": trainer.get("error") or sampler.get("error"),
     }
 

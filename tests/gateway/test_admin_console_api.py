@@ -42,6 +42,7 @@ def test_overview_counts_tokens_requests_and_adapters(env) -> None:
     assert [m["name"] for m in before["models"]] == [BASE]
     row = before["models"][0]
     assert row["trainer_replicas"] == row["sampler_replicas"] == 1 and row["error"] is None
+    assert row["execution"] == "sequential"  # the harness configures it (no start-up probe)
     mid = model(c, key, session(c, key))
     for seq in (1, 2):
         assert wait_future(c, key, fwdbwd(c, key, mid, seq, 12).json()).status_code == 200
