@@ -80,7 +80,37 @@ def details(d: dict | None) -> str:
     """An audit entry's details as ``key=value`` pairs, in a stable order."""
     if not d:
         return ""
-    return ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
+    return ", ".join(f"{k}={'—' if v is None else v}" for k, v in sorted(d.items()))
+
+
+def _limit(v: object) -> str:
+    return "unlimited" if v is None else count(v) if isinstance(v, int) else str(v)
+
+
+def event_summary(event: str, d: dict) -> str:
+    """One readable line for an audit entry (actor and organization have their own columns);
+    unknown events and extra fields fall back to `details`."""
+    d = dict(d)
+    if event == "quota_changed" and {"quota", "old", "new"} <= d.keys():
+        line = f"{d.pop('quota')}: {_limit(d.pop('old'))} → {_limit(d.pop('new'))}"
+        subject = d.pop("subject", "")
+        line += f" ({subject.replace(':', ' ')})" if subject else ""
+    elif event == "access_denied" and "path" in d:
+        line = f"{d.pop('method', '')} {d.pop('path')}: {d.pop('reason', 'denied')}".strip()
+    elif event in ("key_created", "key_revoked") and "key_prefix" in d:
+        d.pop("key_id", None)
+        line = f"key {d.pop('key_prefix')}…"
+        if "scope" in d:
+            line += f" ({d.pop('scope')} scope)"
+        if "user" in d:
+            line += f" for {d.pop('user')}"
+    elif event in ("user_updated", "organization_updated") and "disabled" in d:
+        what = d.pop("user", "")
+        line = f"{what + ' ' if what else ''}{'disabled' if d.pop('disabled') else 'enabled'}"
+    else:
+        return details(d)
+    rest = details(d)
+    return f"{line}; {rest}" if rest else line
 
 
 def names(rows: list[dict], key: str = "name") -> dict[int, str]:

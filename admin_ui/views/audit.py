@@ -81,8 +81,8 @@ def render(api: AdminClient) -> None:
                 "Time": fmt.when(e.get("timestamp")),
                 "Event": e.get("event", ""),
                 "Organization": org_names.get(org_of, "") if org_of is not None else "",
-                "Actor": f"{who} ({prefix}…)" if prefix else who,
-                "Details": fmt.details(d),
+                "Actor": f"{who} · {prefix}…" if prefix else who,
+                "Details": fmt.event_summary(e.get("event", ""), d),
             }
         )
     if rows:
@@ -90,7 +90,14 @@ def render(api: AdminClient) -> None:
             pd.DataFrame(rows),
             hide_index=True,
             width="stretch",
-            column_config={"Details": st.column_config.TextColumn(width="large")},
+            # every row of the page visible (35 px a row + the header), no inner scrolling
+            height=35 * (len(rows) + 1) + 3,
+            column_config={
+                "Time": st.column_config.TextColumn(width=165),
+                "Event": st.column_config.TextColumn(width=150),
+                "Organization": st.column_config.TextColumn(width=110),
+                "Actor": st.column_config.TextColumn(width=190),
+            },
         )
     else:
         st.info("No audit entries match these filters.")

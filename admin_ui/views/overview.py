@@ -16,7 +16,7 @@ from datetime import datetime
 import pandas as pd
 import streamlit as st
 
-from admin_ui import fmt
+from admin_ui import charts, fmt
 from admin_ui.client import AdminClient, ApiError
 
 #: polls kept for the charts: 30 minutes at one poll every `REFRESH_S` seconds
@@ -70,13 +70,14 @@ def _models_table(ov: dict) -> None:
     rows = [
         {
             "Model": m["name"],
-            "Trainer replicas": m["trainer_replicas"],
-            "Sampler replicas": m["sampler_replicas"],
-            "Training jobs queued": m["training_jobs_queued"],
-            "Sampling requests queued": m["sampling_requests_queued"],
+            "Replicas (train / sample)": f"{m['trainer_replicas']} / {m['sampler_replicas']}",
+            "Queued (train / sample)": (
+                f"{m['training_jobs_queued']:,} / {m['sampling_requests_queued']:,}"
+            ),
             "Oldest wait": fmt.seconds(m["oldest_wait_s"]),
-            "Adapters loaded": m["adapters_loaded"],
-            "Adapters offloaded": m["adapters_offloaded"],
+            "Adapters (loaded / offloaded)": (
+                f"{m['adapters_loaded']:,} / {m['adapters_offloaded']:,}"
+            ),
             "Execution": m["execution"] or "",
             "Status": f"no answer ({m['error']})" if m["error"] else "ok",
         }
@@ -85,54 +86,33 @@ def _models_table(ov: dict) -> None:
     st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
 
 
-def _chart(title: str, rows: list[dict]) -> None:
-    st.markdown(f"**{title}**")
-    st.line_chart(pd.DataFrame(rows).set_index("time (UTC)"), height=220)
-
-
 def _charts(history: list[dict]) -> None:
     left, mid, right = st.columns(3)
     with left:
-        _chart(
-            "Queue depth",
-            [
-                {
-                    "time (UTC)": h["at"],
-                    "training jobs": h["training_jobs"],
-                    "sampling requests": h["sampling_requests"],
-                }
-                for h in history
-            ],
+        st.markdown("**Queue depth**")
+        charts.lines(
+            history,
+            {"training_jobs": "training jobs", "sampling_requests": "sampling requests"},
+            "waiting",
+            whole=True,
         )
     rate_rows = [rates(a, b) for a, b in zip(history, history[1:], strict=False)]
-    if not rate_rows:
-        for col, title in ((mid, "Tokens/s"), (right, "Error rate (5xx, %)")):
-            with col:
-                st.markdown(f"**{title}**")
+    for col, title in ((mid, "Tokens/s"), (right, "Error rate (5xx)")):
+        with col:
+            st.markdown(f"**{title}**")
+            if not rate_rows:
                 st.caption("Rates appear after the second poll.")
+    if not rate_rows:
         return
     with mid:
-        _chart(
-            "Tokens/s",
-            [
-                {
-                    "time (UTC)": r["at"],
-                    "training": r["training_tokens_per_s"],
-                    "sampling": r["sampling_tokens_per_s"],
-                }
-                for r in rate_rows
-            ],
+        charts.lines(
+            rate_rows,
+            {"training_tokens_per_s": "training", "sampling_tokens_per_s": "sampling"},
+            "tokens/s",
         )
     with right:
-        _chart(
-            "Error rate (5xx, %)",
-            [
-                {
-                    "time (UTC)": r["at"],
-                    "5xx %": None if r["error_rate"] is None else 100 * r["error_rate"],
-                }
-                for r in rate_rows
-            ],
+        charts.lines(
+            rate_rows, {"error_rate": "5xx share"}, "of requests", y_format=".0%", floor=0.05
         )
 
 
@@ -142,6 +122,13 @@ def _body(api: AdminClient) -> None:
     except ApiError as exc:  # this part reruns on its own: the app's handler is not around it
         st.error(exc.message)
         return
+    try:
+        _show(ov)
+    except Exception as exc:  # as in app.py: one line, never a traceback
+        st.error(f"The console failed on this page: {type(exc).__name__}: {exc}")
+
+
+def _show(ov: dict) -> None:
     history = record(ov)
     last = rates(history[-2], history[-1]) if len(history) > 1 else {}
     m = ov["models"]
@@ -176,7 +163,8 @@ def _body(api: AdminClient) -> None:
 
 def render(api: AdminClient) -> None:
     st.title("Overview")
-    auto = st.toggle(f"Refresh every {REFRESH_S} s", value=True, key="overview_auto")
-    if st.button("Refresh now"):
+    left, right = st.columns([1, 5], vertical_alignment="center")
+    if left.button("Refresh now"):
         pass  # the click itself reruns the page, which polls
+    auto = right.toggle(f"Refresh every {REFRESH_S} s", value=True, key="overview_auto")
     st.fragment(run_every=REFRESH_S if auto else None)(_body)(api)

@@ -36,6 +36,7 @@ def _usage_rows(names: dict[str, str], level: dict[str, dict]) -> list[dict]:
 
 
 def _usage_table(rows: list[dict]) -> None:
+    st.caption("Current “—”: the gateway tracks a rate only while some limit applies to it.")
     st.dataframe(
         pd.DataFrame(rows),
         hide_index=True,

@@ -14,7 +14,7 @@ from datetime import UTC, datetime, time, timedelta
 import pandas as pd
 import streamlit as st
 
-from admin_ui import fmt
+from admin_ui import charts, fmt
 from admin_ui.client import AdminClient
 
 ALL = "(all)"
@@ -24,6 +24,15 @@ COLUMNS = {
     "sampling_sample": "Sampled tokens",
     "checkpoint": "Checkpoint saves",
 }
+#: the table's columns after day, organization and user
+ORDER = [
+    "Training tokens",
+    "Sampling tokens",
+    "Sampling prompt tokens",
+    "Sampled tokens",
+    "Checkpoint saves",
+    "Storage GB-h",
+]
 
 
 def daily(buckets: list[dict], orgs: dict[int, str], users: dict[int, str]) -> list[dict]:
@@ -36,8 +45,8 @@ def daily(buckets: list[dict], orgs: dict[int, str], users: dict[int, str]) -> l
         row = rows.setdefault(
             key,
             {"Day": key[0], "Organization": key[1], "User": key[2]}
-            | dict.fromkeys(COLUMNS.values(), 0)
-            | {"Sampling tokens": 0, "Storage GB-h": 0.0},
+            | dict.fromkeys(ORDER[:-1], 0)
+            | {"Storage GB-h": 0.0},
         )
         if b["kind"] in COLUMNS:
             row[COLUMNS[b["kind"]]] += b["quantity"]
@@ -86,13 +95,15 @@ def render(api: AdminClient) -> None:
     ):
         col.metric(name, fmt.count(sum(r[name] for r in rows)))
     m[3].metric("Storage", f"{sum(r['Storage GB-h'] for r in rows):,.3f} GB-h")
-    per_day: dict[str, dict] = {}
+    per_day = {
+        str(first + timedelta(days=i)): {"Day": str(first + timedelta(days=i)), "t": 0, "s": 0}
+        for i in range((last - first).days + 1)
+    }
     for r in rows:
-        d = per_day.setdefault(r["Day"], {"Day": r["Day"], "training": 0, "sampling": 0})
-        d["training"] += r["Training tokens"]
-        d["sampling"] += r["Sampling tokens"]
+        per_day[r["Day"]]["t"] += r["Training tokens"]
+        per_day[r["Day"]]["s"] += r["Sampling tokens"]
     st.markdown("**Tokens per day**")
-    st.bar_chart(pd.DataFrame(list(per_day.values())).set_index("Day"), height=240, stack=False)
+    charts.day_bars(list(per_day.values()), {"t": "training", "s": "sampling"}, "tokens")
     number = st.column_config.NumberColumn(format="localized")
     st.dataframe(
         pd.DataFrame(rows),

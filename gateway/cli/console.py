@@ -40,6 +40,12 @@ def streamlit_argv(app: Path, host: str, port: int) -> list[str]:
         str(port),
         "--browser.gatherUsageStats",
         "false",
+        # no "Deploy" button or developer menu: this is an operators' tool, not a demo app
+        "--client.toolbarMode",
+        "viewer",
+        # the pages show errors as one line themselves; this is the backstop: no traceback
+        "--client.showErrorDetails",
+        "none",
     ]
 
 

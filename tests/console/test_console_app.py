@@ -197,6 +197,15 @@ def test_every_page_after_real_traffic(gateway: Gateway) -> None:
     table = at.dataframe[0].value
     dave = table[table["User"] == "dave"]
     assert dave["Training tokens"].sum() == 40 and dave["Organization"].tolist() == ["traffic"]
+    # the CSV download holds the same rows as the table
+    from admin_ui.views.usage import to_csv
+
+    csv_text = to_csv(table.to_dict("records")).decode()
+    header, *lines = csv_text.strip().splitlines()
+    assert header.split(",")[:5] == [
+        "Day", "Organization", "User", "Training tokens", "Sampling tokens"
+    ]  # fmt: skip
+    assert len(lines) == len(table) and any(",traffic,dave,40," in ln for ln in lines)
 
     _goto(at, "Engine")
     adapters = at.dataframe[-1].value
@@ -221,7 +230,7 @@ def test_every_page_after_real_traffic(gateway: Gateway) -> None:
     first = at.dataframe[0].value
     assert len(first) == 50 and set(first["Event"]) == {"quota_changed"}
     last = list(names)[-1]  # the newest entry: the last change of the last request
-    assert first["Details"].iloc[0] == f"new=6, old=5, quota={last}, subject=org:{org['id']}"
+    assert first["Details"].iloc[0] == f"{last}: 5 → 6 (org {org['id']})"
     _button(at, "Older →").click()
     at.run()
     assert "Page 2 of 2" in _texts(at.markdown) and len(at.dataframe[0].value) == 4
