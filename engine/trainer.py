@@ -140,6 +140,12 @@ class Trainer:
             "completed": self._sched.completed,
             "fused_batches": self._sched.fused_batches,
             "execution": self.execution,
+            # per tenant (the owner's user id): queued jobs, jobs ahead, oldest wait
+            "queue": self._sched.queue_snapshot(),
+            "adapters": [
+                {"model_id": a, "tenant": self._tenant.get(a, ""), "state": state}
+                for a, state in self.pool.states().items()
+            ],
         }
 
     async def status(self, model_id: str, seq_id: int) -> dict:

@@ -18,6 +18,22 @@ if ! command -v redis-server >/dev/null; then
     echo "[install] warning: redis-server missing and apt-get unavailable; Redis tests will skip" >&2
   fi
 fi
+# Chromium for the admin console's browser test (tests/console/test_console_browser.py): Debian's
+# package, driven by Playwright, which then downloads no browser of its own; about 40-60 s once.
+# Without root or sudo it is skipped (the test skips too, except under CI=1, where it must run).
+if ! command -v chromium >/dev/null; then
+  SUDO=(); [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO=(sudo -n)
+  if [[ $(id -u) -eq 0 || ${#SUDO[@]} -gt 0 ]] && command -v apt-get >/dev/null; then
+    echo "[install] apt-get install chromium" >&2
+    "${SUDO[@]}" apt-get install -y -q chromium >/dev/null 2>&1 \
+      || { "${SUDO[@]}" apt-get update -q >/dev/null && "${SUDO[@]}" apt-get install -y -q chromium >/dev/null; }
+  elif [[ -n ${CI:-} ]]; then
+    echo "[install] error: chromium missing and apt-get unavailable (needed under CI)" >&2
+    exit 1
+  else
+    echo "[install] warning: chromium missing and apt-get unavailable; the console browser test will skip" >&2
+  fi
+fi
 STAMP=.venv/.twinkle-installed
 WANT=$(cat constraints.txt pyproject.toml client/pyproject.toml | sha256sum | cut -c1-16)
 if [[ -f $STAMP && $(cat $STAMP) == "$WANT" && -x .venv/bin/twinkle ]]; then

@@ -93,6 +93,13 @@ class AdapterPool:
         self.evictions += 1
         log.info("offloaded adapter %s to %s", adapter_id, path)
 
+    def states(self) -> dict[str, str]:
+        """Every adapter this pool holds: ``loaded`` (resident in the backend) or ``offloaded``
+        (on disk until its next use)."""
+        out = dict.fromkeys(list(self._resident), "loaded")
+        out.update(dict.fromkeys(list(self._offloaded), "offloaded"))
+        return out
+
     def stats(self) -> dict[str, int]:
         return {
             "resident": len(self._resident),

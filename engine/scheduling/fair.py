@@ -204,6 +204,27 @@ class FairScheduler:
     def queued_tenants(self) -> dict[str, int]:
         return {t: len(q) for t, q in (*self._new.items(), *self._old.items()) if q}
 
+    def queue_snapshot(self) -> list[dict]:
+        """Per tenant with queued work, in the order `position` serves them: its queued jobs,
+        the jobs ahead of its first one and how long its oldest job has waited (seconds)."""
+        now = time.monotonic()
+        queues = [(t, list(q)) for t, q in (*self._new.items(), *self._old.items()) if q]
+        ahead, first = 0, {}
+        for i in range(max((len(q) for _, q in queues), default=0)):
+            for tenant, q in queues:
+                if i < len(q):
+                    first.setdefault(tenant, ahead)
+                    ahead += 1
+        return [
+            {
+                "tenant": tenant,
+                "jobs": len(q),
+                "ahead": first[tenant],
+                "oldest_wait_s": round(now - min(j.enqueued for j in q), 3),
+            }
+            for tenant, q in sorted(queues, key=lambda tq: first[tq[0]])
+        ]
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.cancel()

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from fastapi import Request
+from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from gateway.db.tables import AuditEventRow
@@ -95,9 +96,32 @@ def list_events(
     end: datetime | None = None,
     events: list[str] | None = None,
     limit: int = 1000,
+    offset: int = 0,
+    newest_first: bool = False,
 ) -> list[AuditEventRow]:
-    """Events in [start, end), oldest first; ``org_id`` None means every organization."""
-    q = select(AuditEventRow)
+    """Events in [start, end), oldest first (or newest first), skipping ``offset`` of them;
+    ``org_id`` None means every organization."""
+    q = _filtered(select(AuditEventRow), org_id, start, end, events)
+    order = [col(AuditEventRow.created_at), col(AuditEventRow.id)]
+    if newest_first:
+        order = [o.desc() for o in order]
+    return list(session.exec(q.order_by(*order).offset(offset).limit(limit)))
+
+
+def count_events(
+    session: Session,
+    *,
+    org_id: int | None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    events: list[str] | None = None,
+) -> int:
+    """How many events `list_events` pages through with the same filters."""
+    q = _filtered(select(func.count()).select_from(AuditEventRow), org_id, start, end, events)
+    return int(session.exec(q).one())
+
+
+def _filtered(q, org_id, start, end, events):
     if org_id is not None:
         q = q.where(AuditEventRow.org_id == org_id)
     if start is not None:
@@ -106,9 +130,7 @@ def list_events(
         q = q.where(AuditEventRow.created_at < end)
     if events:
         q = q.where(col(AuditEventRow.event).in_(events))
-    return list(
-        session.exec(q.order_by(col(AuditEventRow.created_at), col(AuditEventRow.id)).limit(limit))
-    )
+    return q
 
 
 def event_json(row: AuditEventRow) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import col, select
 
-from gateway.accounts.audit import event_json, list_events, record_event
+from gateway.accounts.audit import count_events, event_json, list_events, record_event
 from gateway.accounts.keys import AdminPrincipalDep
 from gateway.accounts.service import (
     clean_name,
@@ -23,7 +23,15 @@ from gateway.accounts.service import (
     revoke_key,
 )
 from gateway.db.tables import ApiKeyRow, OrganizationRow, UserRow, utcnow
-from gateway.deps import MAX_TTL_S, ConfigDep, DbDep, EngineDep, PathRowId, QueryRowId
+from gateway.deps import (
+    DB_INT_MAX,
+    MAX_TTL_S,
+    ConfigDep,
+    DbDep,
+    EngineDep,
+    PathRowId,
+    QueryRowId,
+)
 from gateway.errors import ConflictError, NotFoundError
 
 router = APIRouter(prefix="/api/v1/admin", tags=["admin"])
@@ -171,10 +179,17 @@ async def update_user(
 
 # -- keys ------------------------------------------------------------------------------------
 @router.get("/keys")
-async def list_keys(who: AdminPrincipalDep, db: DbDep, user_id: QueryRowId = None) -> dict:
+async def list_keys(
+    who: AdminPrincipalDep,
+    db: DbDep,
+    user_id: QueryRowId = None,
+    prefix: str | None = Query(None, max_length=64, description="keys whose prefix starts so"),
+) -> dict:
     q = select(ApiKeyRow, UserRow).join(UserRow, col(UserRow.id) == ApiKeyRow.user_id)
     if user_id is not None:
         q = q.where(ApiKeyRow.user_id == user_id)
+    if prefix:
+        q = q.where(col(ApiKeyRow.prefix).startswith(prefix, autoescape=True))
     return {"keys": [key_json(k, u) for k, u in db.exec(q.order_by(col(ApiKeyRow.id)))]}
 
 
@@ -213,9 +228,13 @@ async def admin_audit(
     org_id: QueryRowId = None,
     event: list[str] | None = Query(None),
     limit: int = Query(1000, ge=1, le=10000),
+    offset: int = Query(0, ge=0, le=DB_INT_MAX),
+    newest_first: bool = False,
 ) -> dict:
-    rows = list_events(db, org_id=org_id, start=start, end=end, events=event, limit=limit)
-    return {"entries": [event_json(r) for r in rows]}
+    """One page of the filtered log (``limit`` entries after ``offset``) and the filtered total."""
+    filters = {"org_id": org_id, "start": start, "end": end, "events": event}
+    rows = list_events(db, **filters, limit=limit, offset=offset, newest_first=newest_first)
+    return {"entries": [event_json(r) for r in rows], "total": count_events(db, **filters)}
 
 
 @router.get("/engine")

@@ -1,6 +1,7 @@
 """Admin API for quotas and usage: ``/api/v1/admin/quotas/{org|user}/{id}`` (read / change limits,
-audited as ``quota_changed``), ``/api/v1/admin/users/{id}/quota_usage`` (live use vs limits) and
-``/api/v1/admin/usage`` (the hourly ledger)."""
+audited as ``quota_changed``), ``/api/v1/admin/users/{id}/quota_usage`` and
+``/api/v1/admin/orgs/{id}/quota_usage`` (live use vs limits) and ``/api/v1/admin/usage`` (the
+hourly ledger)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,22 @@ async def quota_usage(
         org_name=org.name if org else None,
     )
     return {"user_id": user_id, "org_id": user.org_id, "levels": await quotas.usage(subject, db)}
+
+
+@router.get("/orgs/{org_id}/quota_usage")
+async def org_quota_usage(
+    org_id: PathRowId, who: AdminPrincipalDep, db: DbDep, quotas: QuotasDep
+) -> dict:
+    """The organization level alone: all its users' use together against the org's limits."""
+    org = db.get(OrganizationRow, org_id)
+    if org is None:
+        raise NotFoundError(f"org_id: organization {org_id} not found")
+    # user 0 never exists: only the org level of its answer is used
+    subject = Principal(
+        user_id=0, user_name="", scope="user", key_id=0, org_id=org_id, org_name=org.name
+    )
+    levels = await quotas.usage(subject, db)
+    return {"org_id": org_id, "levels": {"org": levels["org"]}}
 
 
 @router.get("/usage")

@@ -1,5 +1,5 @@
 """The `twinkle` command: `serve`, `keys`, `orgs`, `quotas`, `models` (build-tiny, build-tiny-vl,
-pull)."""
+pull), `console` (the admin console)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="twinkle", description="Multi-tenant LoRA training service (Tinker-compatible)"
     )
-    parser.add_argument("command", choices=["serve", "keys", "orgs", "quotas", "models"])
+    parser.add_argument("command", choices=["serve", "keys", "orgs", "quotas", "models", "console"])
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         return orgs_main(rest, command)
     if command == "models":
         return _models_main(rest)
+    if command == "console":
+        from gateway.cli.console import console_main
+
+        return console_main(rest)
     parser.error(f"unknown command {command!r}")
     return 2
 

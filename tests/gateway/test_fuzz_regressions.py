@@ -25,6 +25,8 @@ def env(make_gateway):
         ("GET", f"/api/v1/admin/users?org_id=-{BIG}", "org_id"),
         ("GET", f"/api/v1/admin/keys?user_id={BIG}", "user_id"),
         ("GET", f"/api/v1/admin/audit?org_id={BIG}", "org_id"),
+        ("GET", f"/api/v1/admin/audit?offset={BIG}", "offset"),
+        ("GET", f"/api/v1/admin/orgs/{BIG}/quota_usage", "org_id"),
         ("GET", f"/api/v1/admin/usage?user_id={BIG}", "user_id"),
         ("GET", f"/api/v1/admin/users/{BIG}/quota_usage", "user_id"),
         ("GET", f"/api/v1/admin/quotas/user/{BIG}", "subject_id"),

@@ -59,6 +59,13 @@ def test_offload_reload_keeps_trajectories(tiny_model_dir, tmp_path, backend):
     assert ref_stats["pool"]["evictions"] == 0
     assert stats["pool"]["evictions"] >= 8 and stats["pool"]["reloads"] >= 8
     assert stats["pool"]["resident"] <= 2
+    # the per-adapter view the admin console shows agrees with the counts, with each owner
+    states = {a["model_id"]: (a["tenant"], a["state"]) for a in stats["adapters"]}
+    assert states.keys() == ref.keys()
+    assert {t for t, _ in states.values()} == {"t0", "t1", "t2", "t3"}
+    loaded = [a for a, (_, s) in states.items() if s == "loaded"]
+    assert len(loaded) == stats["pool"]["resident"]
+    assert len(states) - len(loaded) == stats["pool"]["offloaded"] >= 2
     for a in ref:
         np.testing.assert_allclose(got[a], ref[a], rtol=0, atol=1e-6)
         assert got_steps[a] == ref_steps[a] == [1.0, 2.0, 3.0, 4.0]

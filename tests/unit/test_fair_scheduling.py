@@ -30,6 +30,34 @@ def test_drr_alternates_by_tokens_not_by_requests():
     assert "".join("B" if o == "big" else "s" for o in order) == "BBsssssBsBBB"
 
 
+def test_queue_snapshot_orders_tenants_as_they_will_be_served():
+    """While the worker is busy, the per-tenant view the admin console shows: jobs queued, jobs
+    ahead of the tenant's first one (one job per tenant per round), oldest wait."""
+    import threading
+    import time
+
+    async def main():
+        sched = FairScheduler(quantum=100)
+        gate = threading.Event()
+        busy = asyncio.ensure_future(sched.run("a", "ma", 10, gate.wait))
+        await asyncio.sleep(0.05)  # "a"'s first job is running, off the queue
+        jobs = [asyncio.ensure_future(sched.run("a", "ma", 10, lambda: None)) for _ in range(3)]
+        jobs += [asyncio.ensure_future(sched.run("b", "mb", 10, lambda: None))]
+        await asyncio.sleep(0.2)
+        snap = sched.queue_snapshot()
+        assert sched.queued_tenants() == {"a": 3, "b": 1}
+        gate.set()
+        await asyncio.gather(busy, *jobs)
+        return snap, sched.queue_snapshot()
+
+    t0 = time.monotonic()
+    snap, after = asyncio.run(main())
+    waited = time.monotonic() - t0
+    assert [(q["tenant"], q["jobs"], q["ahead"]) for q in snap] == [("a", 3, 0), ("b", 1, 1)]
+    assert all(0.15 <= q["oldest_wait_s"] <= waited for q in snap)
+    assert after == []
+
+
 def _contended_schedule(tiny_model_dir, steps: int, think_s: float) -> list[tuple]:
     """The real Trainer (sequential execution, 128-token slices) with a small tenant (8 x 32 =
     256 tokens per step) next to a backlogged big one (64 x 32 = 2048 tokens, 8x larger). A step
