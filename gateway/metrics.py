@@ -12,6 +12,8 @@ request) and `metrics_router` (the text exposition). The metrics:
   future failed by a quota), by quota name and level (``org`` or ``user``), fed by
   `gateway.quotas.Quotas.on_denial`.
 * ``twinkle_futures_pending``: unfinished futures held by this replica.
+* storage gauges read at scrape time (gateway/metrics_storage.py): ``twinkle_checkpoint_bytes``,
+  ``twinkle_storage_quota_fill_ratio{level}``, ``twinkle_data_dir_free_bytes`` / ``_size_bytes``.
 
 No label ever holds an API key, a user or org id or name, or any other caller-supplied string:
 label values come from route templates, fixed method and level sets, quota names and HTTP status
