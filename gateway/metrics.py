@@ -38,6 +38,7 @@ from prometheus_client import (
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.accounts.keys import get_admin_principal
+from gateway.quotas.limits import QUOTAS
 
 UNMATCHED = "unmatched"
 _CONVERTOR = re.compile(r"\{(\w+):\w+\}")
@@ -69,6 +70,11 @@ class GatewayMetrics:
             ["quota", "level"],
             registry=self.registry,
         )
+        # Every (quota, level) starts at 0: a series born at its first denial would hide that
+        # denial from rate() (Prometheus sees no increase from an absent sample).
+        for quota in QUOTAS:
+            for level in ("org", "user"):
+                self.quota_denials.labels(quota, level)
         self.futures_pending = Gauge(
             "twinkle_futures_pending",
             "Unfinished futures held by this gateway replica",

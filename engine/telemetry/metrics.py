@@ -48,6 +48,9 @@ CATEGORIES: tuple[tuple[type[BaseException], str], ...] = (
     (BackendError, "backend"),
     (EngineError, "engine"),
 )
+CATEGORY_NAMES = (*(name for _, name in CATEGORIES), "internal")
+#: the ``kind`` label of ``twinkle_engine_tokens_total`` per role
+TOKEN_KINDS = {"trainer": ("trained", "forward"), "sampler": ("prefilled", "sampled")}
 #: role-specific counters and gauges a replica's `State` may carry: name → help
 EXTRA_COUNTERS = {
     "twinkle_trainer_jobs": "Compute jobs run (slices, optimizer steps, saves, loads)",
@@ -148,10 +151,12 @@ class ReplicaMetrics:
             [*base, "category"],
             registry=self.registry,
         )
-        # label children are looked up once per (op | kind | category), not on every call
+        # label children are looked up once per (op | kind | category), not on every call. The
+        # role's token kinds and every category start at 0, so rate() sees their first increase
+        # (a series born at its first event would hide that event).
         self._ops: dict[str, Histogram] = {}
-        self._kinds: dict[str, Counter] = {}
-        self._categories: dict[str, Counter] = {}
+        self._kinds = {k: self._tokens.labels(*self._ids, k) for k in TOKEN_KINDS[role]}
+        self._categories = {c: self._failed.labels(*self._ids, c) for c in CATEGORY_NAMES}
         self.registry.register(_StateCollector(self._ids, state))
 
     # -- hot path ------------------------------------------------------------------------------

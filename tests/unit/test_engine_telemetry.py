@@ -107,7 +107,10 @@ def test_sampler_metrics_and_telemetry_off(tiny_model_dir, tmp_path):
 
     async def work():
         outs = await asyncio.gather(
-            *(sampler.sample(SampleInput([1, 2, 3], num_samples=2, params=params)) for _ in range(3))
+            *(
+                sampler.sample(SampleInput([1, 2, 3], num_samples=2, params=params))
+                for _ in range(3)
+            )
         )
         with pytest.raises(Exception):  # noqa: B017 - a missing adapter dir: CheckpointError
             await sampler.sample(SampleInput([1, 2], adapter_dir=str(tmp_path / "nope")))
