@@ -89,8 +89,7 @@ def engine_apps(config: EngineConfig, data_dir: str) -> dict[str, dict[str, list
     gateway/engine_client.py."""
     check_models(config, data_dir)
     em = config.engine_metrics
-    if em.enabled:
-        clear_targets(data_dir)
+    clear_targets(data_dir)  # targets of an earlier run's replicas (a crash leaves them behind)
     return {
         m.name: {
             "trainer": [
