@@ -33,13 +33,15 @@ def fill_ratios(session: Session, default_user_limit: int | None) -> tuple[int, 
     Ephemeral checkpoints do not count, as in the quota (gateway.quotas.service)."""
     used: dict[int, int] = {
         int(uid): int(b or 0)
-        for uid, b in session.exec(
+        for uid, b in session.exec(  # pyright: ignore[reportArgumentType] (sum may be NULL)
             select(CheckpointRow.user_id, func.sum(CheckpointRow.size_bytes))
             .where(CheckpointRow.ephemeral == False)  # noqa: E712
             .group_by(col(CheckpointRow.user_id))
         )
     }
-    org_of = {int(u): o for u, o in session.exec(select(UserRow.id, UserRow.org_id))}
+    org_of: dict[int, int | None] = {
+        int(u): o for u, o in session.exec(select(UserRow.id, UserRow.org_id)) if u is not None
+    }
     limits = {
         (t, int(s)): int(v)
         for t, s, v in session.exec(
@@ -50,8 +52,9 @@ def fill_ratios(session: Session, default_user_limit: int | None) -> tuple[int, 
     }
     org_used: dict[int, int] = {}
     for uid, b in used.items():
-        if org_of.get(uid) is not None:
-            org_used[org_of[uid]] = org_used.get(org_of[uid], 0) + b
+        org = org_of.get(uid)
+        if org is not None:
+            org_used[org] = org_used.get(org, 0) + b
 
     def ratio(b: int, limit: int) -> float:
         return b / limit if limit > 0 else (1.0 if b > 0 else 0.0)
