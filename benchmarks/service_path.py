@@ -5,6 +5,7 @@ Usage (from the repository root):
     .venv/bin/python benchmarks/service_path.py                  # tiny + medium (25 M)
     .venv/bin/python benchmarks/service_path.py --models smollm2 # after `twinkle models pull`
     .venv/bin/python benchmarks/service_path.py --quick          # tiny, 4 steps
+    .venv/bin/python benchmarks/service_path.py --models medium --compare-metrics
 
 The same SFT loop (model, batch B x T random tokens, rank-8 LoRA on every target, AdamW, summed
 cross-entropy) run twice, one after the other on the same cores:
@@ -21,6 +22,11 @@ durations: forward_backward / optim_step submission, and retrieve_future, which 
 for the Trainer), the client's time outside HTTP (SDK encoding + its polling gaps), and compute
 (the bare step). Also ``twinkle serve``'s time to ready and a new tenant's time to first step
 (create the training client + the first step). Numbers: benchmarks/README.md.
+
+``--compare-metrics``: the service twice, Prometheus metrics on (gateway and engine, every
+endpoint scraped every ``--scrape-seconds``, default 1 s: 15x Prometheus' default) and off
+(``gateway.metrics_enabled`` and ``engine_metrics.enabled`` false), in the order
+``--metrics-first`` says; reports service tokens/s on / off.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,18 +149,20 @@ def _free_port() -> int:
 
 
 def start_server(
-    path: Path, name: str, work: Path, threads: int | None
+    path: Path, name: str, work: Path, threads: int | None, metrics: bool = True
 ) -> tuple[subprocess.Popen, str, dict, float]:
     """A `twinkle serve` of ``path`` as ``name`` (Trainer torch threads: ``threads``, None = the
-    server's default): (process, url, env, seconds to ready)."""
+    server's default; ``metrics``: Prometheus metrics on or off): (process, url, env, seconds to
+    ready)."""
     import httpx
 
     port = _free_port()
     config = work / "server.yaml"
     trainer = f"    trainer: {{torch_threads: {threads}}}\n" if threads else ""
+    off = "" if metrics else "gateway: {metrics_enabled: false}\nengine_metrics: {enabled: false}\n"
     config.write_text(
         f"models:\n  - name: {name}\n    path: {path}\n    max_lora_rank: {RANK}\n"
-        "    execution: sequential\n" + trainer
+        "    execution: sequential\n" + trainer + off
     )
     shutil.rmtree(work / "data", ignore_errors=True)
     env = dict(os.environ, TWINKLE_DATA_DIR=str(work / "data"))
@@ -191,12 +200,49 @@ _SERIES = re.compile(
 )
 
 
+class Scraper:
+    """Scrapes the gateway's /metrics and every engine replica's endpoint (the data dir's
+    file_sd targets) every ``period`` seconds, in a thread, as Prometheus would."""
+
+    def __init__(self, url: str, data_dir: Path, period: float = 1.0) -> None:
+        self.url, self.targets, self.period = url, data_dir / "metrics" / "targets", period
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import httpx
+
+        # one client, connections kept alive, as Prometheus does: a new httpx client per
+        # scrape costs ~25 ms of this process's CPU, which on 2 cores slowed the run by 20%
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.wait(self.period):
+                urls = [f"{self.url}/metrics"] + [
+                    f"http://{t}/metrics"
+                    for f in self.targets.glob("*.json")
+                    for t in json.loads(f.read_text())[0]["targets"]
+                ]
+                for u in urls:
+                    client.get(u).raise_for_status()
+                    self.scrapes += 1
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.scrapes
+
+
 def gateway_seconds(url: str) -> dict[str, float]:
-    """Seconds the gateway spent per route so far (sum of request durations, /metrics)."""
+    """Seconds the gateway spent per route so far (sum of request durations, /metrics; {} when
+    metrics are off)."""
     import httpx
 
     out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    r = httpx.get(f"{url}/metrics", timeout=10)
+    if r.status_code == 404:
+        return out
+    for line in r.text.splitlines():
         m = _SERIES.match(line)
         if m and m.group(1) == "sum":
             out[m.group(2)] = out.get(m.group(2), 0.0) + float(m.group(3))
@@ -252,8 +298,14 @@ def service(
 # ----------------------------------------------------------------------------------- runner
 
 
-def run(name: str, steps: int, warmup: int, variants: list[int | None]) -> list[dict]:
-    """Bare loop once, then the service once per Trainer thread setting in ``variants``."""
+def run(
+    name: str,
+    steps: int,
+    warmup: int,
+    variants: list[tuple[int | None, bool]],
+    scrape_s: float = 1.0,
+) -> list[dict]:
+    """Bare loop once, then the service once per (Trainer threads, metrics on) in ``variants``."""
     work = Path(tempfile.mkdtemp(prefix=f"svc-{name}-"))
     rows = []
     try:
@@ -263,8 +315,9 @@ def run(name: str, steps: int, warmup: int, variants: list[int | None]) -> list[
         data = batches(vocab, b, t, steps + warmup)
         bare_s = summarize(bare(path, data, warmup), b * t)
         bare_step = b * t / bare_s.tokens_per_s
-        for threads in variants:
-            proc, url, env, ready = start_server(path, served, work, threads)
+        for threads, metrics in variants:
+            proc, url, env, ready = start_server(path, served, work, threads, metrics)
+            scraper = Scraper(url, work / "data", scrape_s) if metrics else None
             try:
                 key = subprocess.run(
                     [TWINKLE, "keys", "create", "--user", "bench"],
@@ -275,6 +328,7 @@ def run(name: str, steps: int, warmup: int, variants: list[int | None]) -> list[
                 ).stdout.split()[-1]
                 times, first, routes = service(served, url, key, data, warmup)
             finally:
+                scrapes = scraper.stop() if scraper else 0
                 stop_server(proc)
             svc = summarize(times, b * t)
             wall = sum(times) / len(times)
@@ -282,6 +336,8 @@ def run(name: str, steps: int, warmup: int, variants: list[int | None]) -> list[
                 {
                     "model": name,
                     "trainer_threads": threads or "default",
+                    "metrics": metrics,
+                    "scrapes": scrapes,
                     "batch": [b, t],
                     "steps": steps,
                     "cores": cores(),
@@ -315,17 +371,37 @@ def main() -> None:
         default="1,default",
         help="Trainer torch-thread settings to compare, comma-separated (1 = the old default)",
     )
+    ap.add_argument(
+        "--compare-metrics",
+        action="store_true",
+        help="the service with Prometheus metrics on (scraped every second), then off",
+    )
+    ap.add_argument(
+        "--scrape-seconds", type=float, default=1.0, help="with metrics on: scrape period"
+    )
+    ap.add_argument(
+        "--metrics-first",
+        choices=["on", "off"],
+        default="on",
+        help="--compare-metrics: which run goes first (the machine drifts)",
+    )
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     models = ["tiny"] if a.quick else a.models.split(",")
     steps = 4 if a.quick else a.steps
-    variants = [None if v == "default" else int(v) for v in a.trainer_threads.split(",")]
+    threads = [None if v == "default" else int(v) for v in a.trainer_threads.split(",")]
+    variants = [(t, True) for t in threads]
+    if a.compare_metrics:
+        variants = [(threads[-1], True), (threads[-1], False)]
+        if a.metrics_first == "off":
+            variants.reverse()
     rows = []
     for m in models:
         print(f"[service_path] {m}: bare loop, then the service ...", file=sys.stderr, flush=True)
-        rows += run(m, steps, a.warmup, variants)
+        rows += run(m, steps, a.warmup, variants, a.scrape_seconds)
     print(f"\ncores: {cores()}, steps: {steps} timed after {a.warmup} warm-up, rank {RANK}")
-    head = f"{'model':8} {'threads':>8} {'B x T':>8} {'bare tok/s':>11} {'service tok/s':>14}"
+    head = f"{'model':8} {'threads':>8} {'metrics':>8} {'B x T':>8} {'bare tok/s':>11}"
+    head += f" {'service tok/s':>14}"
     head += f" {'ratio':>6}"
     head += f" {'bare p50/p95 s':>15} {'service p50/p95 s':>18} {'ready s':>8} {'1st step s':>10}"
     print(head)
@@ -333,12 +409,24 @@ def main() -> None:
         bs, ss = r["bare"], r["service"]
         shape = "x".join(map(str, r["batch"]))
         print(
-            f"{r['model']:8} {r['trainer_threads']!s:>8} {shape:>8} {bs['tokens_per_s']:11.0f} "
+            f"{r['model']:8} {r['trainer_threads']!s:>8} {'on' if r['metrics'] else 'off':>8} "
+            f"{shape:>8} {bs['tokens_per_s']:11.0f} "
             f"{ss['tokens_per_s']:14.0f} {r['ratio']:6.2f} "
             f"{bs['step_p50_s']:7.3f}/{bs['step_p95_s']:.3f} "
             f"{ss['step_p50_s']:10.3f}/{ss['step_p95_s']:.3f} "
             f"{r['serve_ready_s']:8.1f} {r['first_step_s']:10.2f}"
         )
+    if a.compare_metrics:
+        for m in models:
+            on, off = (
+                next(r for r in rows if r["model"] == m and r["metrics"] is v)
+                for v in (True, False)
+            )
+            ratio = on["service"]["tokens_per_s"] / off["service"]["tokens_per_s"]
+            print(
+                f"\n{m}: service tokens/s with metrics on / off = {ratio:.3f} "
+                f"({on['scrapes']} scrapes during the run)"
+            )
     for r in rows:
         print(f"\n{r['model']}, Trainer threads {r['trainer_threads']}: per timed step, seconds")
         for k, v in r["per_step_s"].items():

@@ -3,7 +3,9 @@
 The classes are the plain in-process `Trainer` / `Sampler`; this module only gives them Serve
 options. ``num_replicas: N`` becomes N single-replica deployments that the gateway routes between
 itself (gateway/engine_client.py). `max_ongoing_requests` is high because a Trainer replica holds
-requests that wait for their seq_id turn (they cost no compute while waiting).
+requests that wait for their seq_id turn (they cost no compute while waiting). With
+``engine_metrics.enabled`` each replica serves its Prometheus metrics and lists itself in the data
+dir's target folder (engine/telemetry/exporter.py), which `engine_apps` clears first.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import re
 from ray import serve
 from ray.serve.deployment import Application
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, EngineMetricsConfig, ModelConfig
 from engine.sampler import Sampler
+from engine.telemetry.exporter import clear_targets
 from engine.trainer import Trainer
 
 MAX_ONGOING = 4096
@@ -29,24 +32,42 @@ def _replica_name(role: str, model: ModelConfig, i: int) -> str:
     return base if i == 0 else f"{base}-r{i}"
 
 
-def trainer_app(model: ModelConfig, data_dir: str, gap_timeout: float, i: int = 0) -> Application:
+def _telemetry(metrics: EngineMetricsConfig | None, name: str) -> dict | None:
+    if metrics is None or not metrics.enabled:
+        return None
+    return {"replica": name, "host": metrics.host}
+
+
+def trainer_app(
+    model: ModelConfig,
+    data_dir: str,
+    gap_timeout: float,
+    i: int = 0,
+    metrics: EngineMetricsConfig | None = None,
+) -> Application:
+    name = _replica_name("trainer", model, i)
     return serve.deployment(
         Trainer,
-        name=_replica_name("trainer", model, i),
+        name=name,
         num_replicas=1,
         max_ongoing_requests=MAX_ONGOING,
         ray_actor_options={"num_cpus": model.trainer.num_cpus, "num_gpus": model.trainer.num_gpus},
-    ).bind(model.model_dump(), data_dir, gap_timeout=gap_timeout)
+    ).bind(
+        model.model_dump(), data_dir, gap_timeout=gap_timeout, telemetry=_telemetry(metrics, name)
+    )
 
 
-def sampler_app(model: ModelConfig, data_dir: str, i: int = 0) -> Application:
+def sampler_app(
+    model: ModelConfig, data_dir: str, i: int = 0, metrics: EngineMetricsConfig | None = None
+) -> Application:
+    name = _replica_name("sampler", model, i)
     return serve.deployment(
         Sampler,
-        name=_replica_name("sampler", model, i),
+        name=name,
         num_replicas=1,
         max_ongoing_requests=MAX_ONGOING,
         ray_actor_options={"num_cpus": model.sampler.num_cpus, "num_gpus": model.sampler.num_gpus},
-    ).bind(model.model_dump(), data_dir)
+    ).bind(model.model_dump(), data_dir, telemetry=_telemetry(metrics, name))
 
 
 def check_models(config: EngineConfig, data_dir: str) -> None:
@@ -67,13 +88,15 @@ def engine_apps(config: EngineConfig, data_dir: str) -> dict[str, dict[str, list
     the replica (an adapter lives in one Trainer; a sampling session sticks to one Sampler): see
     gateway/engine_client.py."""
     check_models(config, data_dir)
+    em = config.engine_metrics
+    clear_targets(data_dir)  # targets of an earlier run's replicas (a crash leaves them behind)
     return {
         m.name: {
             "trainer": [
-                trainer_app(m, data_dir, config.seq_gap_timeout_seconds, i)
+                trainer_app(m, data_dir, config.seq_gap_timeout_seconds, i, em)
                 for i in range(m.trainer.num_replicas)
             ],
-            "sampler": [sampler_app(m, data_dir, i) for i in range(m.sampler.num_replicas)],
+            "sampler": [sampler_app(m, data_dir, i, em) for i in range(m.sampler.num_replicas)],
         }
         for m in config.models
     }

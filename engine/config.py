@@ -245,6 +245,19 @@ class RayConfig(_Strict):
     )
 
 
+class EngineMetricsConfig(_Strict):
+    """Prometheus metrics of the Trainer and Sampler replicas (engine/telemetry/): each replica
+    serves its own on an ephemeral port and lists itself in ``<data_dir>/metrics/targets/``, a
+    folder Prometheus' ``file_sd_configs`` reads (infra/observability/)."""
+
+    enabled: bool = Field(default=True, description="Export engine metrics (off: no endpoint)")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address each replica's metrics endpoint binds; 0.0.0.0 on a multi-node "
+        "cluster (the target file then names the node's IP, so Prometheus can reach it)",
+    )
+
+
 class EngineConfig(_Strict):
     """What the engine reads: the served models, Ray, and the seq_id gap timeout. The gateway's
     `ServerConfig` subclasses it, so one YAML file configures both."""
@@ -258,6 +271,7 @@ class EngineConfig(_Strict):
     seq_gap_timeout_seconds: float = Field(
         default=120.0, gt=0, description="How long a model's queue waits for a missing seq_id"
     )
+    engine_metrics: EngineMetricsConfig = Field(default_factory=EngineMetricsConfig)
 
     @model_validator(mode="after")
     def _unique_names(self) -> Self:

@@ -16,19 +16,25 @@ from __future__ import annotations
 import asyncio
 import numbers
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 
+from engine.backends.adapter_cache import AdapterDirCache
 from engine.backends.base import SamplingBackend, TokenListener
 from engine.backends.registry import build_sampling_backend
 from engine.config import ModelConfig
 from engine.protocol import SampleDelta, SampleInput, SampleOutput
+from engine.telemetry.exporter import export_replica_metrics
+from engine.telemetry.metrics import ReplicaMetrics, State, measured
 
 DEFAULT_MAX_BATCH_ROWS = 64
 
 #: ``listener(sample_index, token, logprob)``, called on the sampling thread per generated token
 Listener = TokenListener
+#: a queued request: input, its future, its token listener, ``time.monotonic()`` at arrival
+Item = tuple[SampleInput, Future, Listener | None, float]
 
 
 def _rows(inp: SampleInput) -> int:
@@ -48,16 +54,20 @@ class Sampler:
         *,
         backend: SamplingBackend | None = None,
         max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
+        telemetry: dict | None = None,
     ) -> None:
+        """``telemetry``: record Prometheus metrics, as for `engine.trainer.Trainer`."""
         self.model = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
         self.max_batch_rows = max(1, int(max_batch_rows))
-        self._queue: deque[tuple[SampleInput, Future, Listener | None]] = deque()
+        self._queue: deque[Item] = deque()
         self._cond = threading.Condition()
         self._closed = False
         self._batches = 0
         self._requests = 0
         self._rows = 0
         self._max_rows = 0
+        self.metrics: ReplicaMetrics | None = None
+        self._exporter = None
         # The worker thread builds the backend itself (when none is given), so every torch op of
         # the service runs on that one thread: on CPU, a second thread that has run torch ops
         # keeps its own OpenMP team, and two teams on the same cores slow each other down badly.
@@ -69,6 +79,33 @@ class Sampler:
         )
         self._worker.start()
         self.backend = built.result()  # re-raises a build failure here
+        if telemetry is not None:
+            self.metrics, self._exporter = export_replica_metrics(
+                "sampler", self.model.name, data_dir, telemetry, self._telemetry_state
+            )
+
+    def __del__(self) -> None:  # Ray Serve calls it when the replica shuts down
+        exporter = getattr(self, "_exporter", None)
+        if exporter is not None:
+            self._exporter = None
+            exporter.close()
+
+    def _telemetry_state(self) -> State:
+        """Read on the metrics scrape thread."""
+        with self._cond:
+            depth = len(self._queue)
+            oldest = self._queue[0][3] if self._queue else None
+            batches, rows = self._batches, self._rows
+        cache = getattr(self.backend, "_cache", None)  # engine/backends/adapter_cache.py
+        stats = cache.stats() if isinstance(cache, AdapterDirCache) else {}
+        return State(
+            queue_depth=depth,
+            oldest_enqueued=oldest,
+            adapters={"loaded": stats.get("loaded", 0)},
+            offloads=stats.get("evictions", 0),
+            reloads=stats.get("loads", 0),
+            counters={"twinkle_sampler_batches": batches, "twinkle_sampler_batch_rows": rows},
+        )
 
     async def info(self) -> dict:
         return {"base_model": self.model.name, "vocab_size": self.backend.vocab_size}
@@ -78,14 +115,16 @@ class Sampler:
         with self._cond:
             if self._closed:
                 raise RuntimeError("Sampler is closed")
-            self._queue.append((inp, fut, listener))
+            self._queue.append((inp, fut, listener, time.monotonic()))
         # Wake the worker at the end of this event-loop iteration, not now: requests that arrive
         # together (tasks ready in the same iteration) are then all queued and form one batch.
         asyncio.get_running_loop().call_soon(self._wake)
         return fut
 
     async def sample(self, inp: SampleInput) -> SampleOutput:
-        return await asyncio.wrap_future(self._submit(inp))
+        return await measured(
+            self.metrics, "sample", lambda: asyncio.wrap_future(self._submit(inp))
+        )
 
     async def sample_stream(self, inp: SampleInput) -> AsyncIterator[SampleDelta]:
         """Like `sample`, but yields the tokens as they are generated: `SampleDelta`s with the new
@@ -102,9 +141,17 @@ class Sampler:
 
         fut = self._submit(inp, listener)
         done = asyncio.wrap_future(fut)
+        t0 = time.perf_counter()
         try:
             async for delta in self._deltas(events, done):
                 yield delta
+        except Exception as e:
+            if self.metrics is not None:
+                self.metrics.request("sample_stream", time.perf_counter() - t0, e)
+            raise
+        else:
+            if self.metrics is not None:
+                self.metrics.request("sample_stream", time.perf_counter() - t0)
         finally:
             fut.cancel()  # a consumer that went away: no work if the batch has not started
 
@@ -153,7 +200,11 @@ class Sampler:
             }
 
     def close(self) -> None:
-        """Stop the worker after the queued requests are done (idempotent)."""
+        """Stop the worker after the queued requests are done, and the metrics endpoint
+        (idempotent)."""
+        exporter, self._exporter = self._exporter, None
+        if exporter is not None:
+            exporter.close()
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -162,7 +213,7 @@ class Sampler:
 
     # ------------------------------------------------------------------------------- worker
 
-    def _next_batch(self) -> list[tuple[SampleInput, Future, Listener | None]] | None:
+    def _next_batch(self) -> list[Item] | None:
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
@@ -192,12 +243,22 @@ class Sampler:
             live = [item for item in batch if item[1].set_running_or_notify_cancel()]
             if not live:
                 continue
-            results = self._execute([inp for inp, _, _ in live], [lis for _, _, lis in live])
-            for (_, fut, _), res in zip(live, results, strict=True):
+            if self.metrics is not None:
+                now = time.monotonic()
+                for item in live:
+                    self.metrics.queue_wait(now - item[3])
+            results = self._execute([it[0] for it in live], [it[2] for it in live])
+            for (inp, fut, _, _), res in zip(live, results, strict=True):
                 if isinstance(res, BaseException):
                     fut.set_exception(res)
                 else:
+                    self._count_tokens(inp, res)
                     fut.set_result(res)
+
+    def _count_tokens(self, inp: SampleInput, out: SampleOutput) -> None:
+        if self.metrics is not None:
+            self.metrics.tokens("prefilled", len(inp.prompt_tokens))
+            self.metrics.tokens("sampled", sum(len(s.tokens) for s in out.sequences))
 
     def _execute(
         self, inputs: Sequence[SampleInput], listeners: Sequence[Listener | None]

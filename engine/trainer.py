@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from engine.scheduling.exactly_once import OnceCache
 from engine.scheduling.fair import FIXED_COST, FairScheduler
 from engine.scheduling.sequencer import Sequencer
 from engine.scheduling.slicing import merge_outputs, slice_input
+from engine.telemetry.exporter import export_replica_metrics
+from engine.telemetry.metrics import ReplicaMetrics, State, measured
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,10 @@ class Trainer:
         *,
         gap_timeout: float = 120.0,
         backend: TrainingBackend | None = None,
+        telemetry: dict | None = None,
     ) -> None:
+        """``telemetry``: record Prometheus metrics (engine/telemetry/): ``{"replica": name,
+        "host": address to serve them on, "export": False to only record}``; None: none."""
         self.model = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
         self.backend = backend or build_training_backend(self.model, data_dir)
         offload = Path(data_dir) / "offload" / f"trainer-{os.getpid()}"
@@ -65,6 +71,41 @@ class Trainer:
         # replica died) gets the first execution's result; see engine/scheduling/exactly_once.py.
         self._once = OnceCache()
         self.native = NativeModelHost(self, data_dir)
+        self.metrics: ReplicaMetrics | None = None
+        self._exporter = None
+        if telemetry is not None:
+            self.metrics, self._exporter = export_replica_metrics(
+                "trainer", self.model.name, data_dir, telemetry, self._telemetry_state
+            )
+            wait = self.metrics.queue_wait
+            self._sched.on_start = lambda job: wait(time.monotonic() - job.enqueued)
+
+    def __del__(self) -> None:  # Ray Serve calls it when the replica shuts down
+        exporter = getattr(self, "_exporter", None)
+        if exporter is not None:
+            self._exporter = None
+            exporter.close()
+
+    def _telemetry_state(self) -> State:
+        """Read on the metrics scrape thread: plain reads, each atomic under the GIL."""
+        depth, oldest = self._sched.backlog()
+        pool = self.pool.stats()
+        return State(
+            queue_depth=depth,
+            oldest_enqueued=oldest,
+            adapters={"resident": pool["resident"], "offloaded": pool["offloaded"]},
+            offloads=pool["evictions"],
+            reloads=pool["reloads"],
+            execution_mode=self.execution["mode"],
+            counters={
+                "twinkle_trainer_jobs": self._sched.completed,
+                "twinkle_trainer_fused_batches": self._sched.fused_batches,
+            },
+            gauges={
+                "twinkle_trainer_tenants": len(set(self._tenant.values())),
+                "twinkle_trainer_active_tenants": len(self._sched.queued_tenants()),
+            },
+        )
 
     # -- helpers -------------------------------------------------------------------------------
     async def _compute(self, model_id: str, cost: int, fn, label: str, fuse_item=None):
@@ -231,29 +272,38 @@ class Trainer:
         self, model_id: str, seq_id: int, inp: ForwardBackwardInput
     ) -> ForwardBackwardOutput:
         async with self._seq.turn(model_id, seq_id):
-            slices = slice_input(inp, self.model.slice_tokens)
-            if len(slices) == 1:
-                return await self._compute(
+            out = await self._forward_backward_slices(model_id, inp)
+        if self.metrics is not None:
+            kind = "forward" if inp.forward_only else "trained"
+            self.metrics.tokens(kind, sum(len(d.tokens) for d in inp.data))
+        return out
+
+    async def _forward_backward_slices(
+        self, model_id: str, inp: ForwardBackwardInput
+    ) -> ForwardBackwardOutput:
+        slices = slice_input(inp, self.model.slice_tokens)
+        if len(slices) == 1:
+            return await self._compute(
+                model_id,
+                slices[0][1],
+                lambda: self.backend.forward_backward(model_id, inp),
+                "forward" if inp.forward_only else "forward_backward",
+                fuse_item=(model_id, inp),
+            )
+        # Validate the whole request before any slice adds to the gradient.
+        self.backend.validate_input(inp)
+        outs = []
+        for part, cost in slices:
+            outs.append(
+                await self._compute(
                     model_id,
-                    slices[0][1],
-                    lambda: self.backend.forward_backward(model_id, inp),
-                    "forward" if inp.forward_only else "forward_backward",
-                    fuse_item=(model_id, inp),
+                    cost,
+                    lambda p=part: self.backend.forward_backward(model_id, p),
+                    f"forward_backward slice {len(outs) + 1}/{len(slices)}",
+                    fuse_item=(model_id, part),
                 )
-            # Validate the whole request before any slice adds to the gradient.
-            self.backend.validate_input(inp)
-            outs = []
-            for part, cost in slices:
-                outs.append(
-                    await self._compute(
-                        model_id,
-                        cost,
-                        lambda p=part: self.backend.forward_backward(model_id, p),
-                        f"forward_backward slice {len(outs) + 1}/{len(slices)}",
-                        fuse_item=(model_id, part),
-                    )
-                )
-            return merge_outputs(outs)
+            )
+        return merge_outputs(outs)
 
     async def _optim_step(self, model_id: str, seq_id: int, params: AdamParams) -> OptimStepOutput:
         async with self._seq.turn(model_id, seq_id):
@@ -301,20 +351,32 @@ class Trainer:
             pass
 
     async def create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
-        return await self._once.run(
-            (model_id, 0), lambda: self._create_adapter(model_id, spec, tenant)
+        return await measured(
+            self.metrics,
+            "create_adapter",
+            lambda: self._once.run(
+                (model_id, 0), lambda: self._create_adapter(model_id, spec, tenant)
+            ),
         )
 
     async def forward_backward(
         self, model_id: str, seq_id: int, inp: ForwardBackwardInput
     ) -> ForwardBackwardOutput:
-        return await self._once.run(
-            (model_id, seq_id), lambda: self._forward_backward(model_id, seq_id, inp)
+        return await measured(
+            self.metrics,
+            "forward" if inp.forward_only else "forward_backward",
+            lambda: self._once.run(
+                (model_id, seq_id), lambda: self._forward_backward(model_id, seq_id, inp)
+            ),
         )
 
     async def optim_step(self, model_id: str, seq_id: int, params: AdamParams) -> OptimStepOutput:
-        return await self._once.run(
-            (model_id, seq_id), lambda: self._optim_step(model_id, seq_id, params)
+        return await measured(
+            self.metrics,
+            "optim_step",
+            lambda: self._once.run(
+                (model_id, seq_id), lambda: self._optim_step(model_id, seq_id, params)
+            ),
         )
 
     async def skip(self, model_id: str, seq_id: int) -> None:
@@ -331,10 +393,14 @@ class Trainer:
     ) -> int:
         """In seq order: write the adapter to ``directory``; with ``age_recipients``, as an
         age-encrypted export (`TrainingBackend.save_state`)."""
-        return await self._once.run(
-            (model_id, seq_id),
-            lambda: self._save_state(
-                model_id, seq_id, directory, include_optimizer, tuple(age_recipients)
+        return await measured(
+            self.metrics,
+            "save_state",
+            lambda: self._once.run(
+                (model_id, seq_id),
+                lambda: self._save_state(
+                    model_id, seq_id, directory, include_optimizer, tuple(age_recipients)
+                ),
             ),
         )
 
@@ -346,9 +412,13 @@ class Trainer:
         include_optimizer: bool,
         tenant: str = "",
     ) -> LoraSpec:
-        return await self._once.run(
-            (model_id, 0 if seq_id is None else seq_id),
-            lambda: self._load_state(model_id, seq_id, directory, include_optimizer, tenant),
+        return await measured(
+            self.metrics,
+            "load_state",
+            lambda: self._once.run(
+                (model_id, 0 if seq_id is None else seq_id),
+                lambda: self._load_state(model_id, seq_id, directory, include_optimizer, tenant),
+            ),
         )
 
     async def replays(self) -> int:
@@ -363,7 +433,11 @@ class Trainer:
     async def native_call(
         self, model_id: str, tenant: str, method: str, adapter_name: str, kwargs: dict
     ) -> Any:
-        return await self.native.call(model_id, tenant, method, adapter_name, kwargs)
+        return await measured(
+            self.metrics,
+            "native",
+            lambda: self.native.call(model_id, tenant, method, adapter_name, kwargs),
+        )
 
     async def native_adapters(self, model_id: str, tenant: str) -> list[str]:
         return await self.native.adapters(model_id, tenant)

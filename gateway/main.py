@@ -25,6 +25,7 @@ from gateway.errors import register_exception_handlers
 from gateway.futures.kv import make_kv
 from gateway.futures.store import FutureStore
 from gateway.metrics import GatewayMetrics, MetricsMiddleware, metrics_router
+from gateway.metrics_storage import StorageCollector
 from gateway.middleware import IdempotencyKeyMiddleware, RequestHeadersMiddleware
 from gateway.quotas import build_quotas
 from gateway.runs.expiry import sweep_forever
@@ -125,6 +126,13 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     if config.gateway.metrics_enabled:
         app.state.metrics = GatewayMetrics(
             lambda: app.state.futures.pending_count() if hasattr(app.state, "futures") else 0
+        )
+        app.state.metrics.registry.register(
+            StorageCollector(
+                lambda: getattr(app.state, "db_engine", None),
+                settings.data_dir,
+                config.gateway.default_user_quotas.get("max_checkpoint_bytes"),
+            )
         )
         app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
         app.include_router(metrics_router(config.gateway.metrics_require_admin))

@@ -12,6 +12,8 @@ request) and `metrics_router` (the text exposition). The metrics:
   future failed by a quota), by quota name and level (``org`` or ``user``), fed by
   `gateway.quotas.Quotas.on_denial`.
 * ``twinkle_futures_pending``: unfinished futures held by this replica.
+* storage gauges read at scrape time (gateway/metrics_storage.py): ``twinkle_checkpoint_bytes``,
+  ``twinkle_storage_quota_fill_ratio{level}``, ``twinkle_data_dir_free_bytes`` / ``_size_bytes``.
 
 No label ever holds an API key, a user or org id or name, or any other caller-supplied string:
 label values come from route templates, fixed method and level sets, quota names and HTTP status
@@ -36,6 +38,7 @@ from prometheus_client import (
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.accounts.keys import get_admin_principal
+from gateway.quotas.limits import QUOTAS
 
 UNMATCHED = "unmatched"
 _CONVERTOR = re.compile(r"\{(\w+):\w+\}")
@@ -67,6 +70,11 @@ class GatewayMetrics:
             ["quota", "level"],
             registry=self.registry,
         )
+        # Every (quota, level) starts at 0: a series born at its first denial would hide that
+        # denial from rate() (Prometheus sees no increase from an absent sample).
+        for quota in QUOTAS:
+            for level in ("org", "user"):
+                self.quota_denials.labels(quota, level)
         self.futures_pending = Gauge(
             "twinkle_futures_pending",
             "Unfinished futures held by this gateway replica",

@@ -7,15 +7,21 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 # System services the tests and a multi-replica gateway use: redis-server (Postgres 15 ships with
-# these machines). Installed with apt when missing and we may (root or sudo); 6 s.
-if ! command -v redis-server >/dev/null; then
+# these machines), and Debian's prometheus (the server and promtool) for the observability tests
+# (infra/observability/). Installed with apt when missing and we may (root or sudo); 6 s + 10 s.
+APT=()
+command -v redis-server >/dev/null || APT+=(redis-server)
+{ command -v prometheus >/dev/null && command -v promtool >/dev/null; } || APT+=(prometheus)
+if [[ ${#APT[@]} -gt 0 ]]; then
   SUDO=(); [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO=(sudo -n)
   if [[ $(id -u) -eq 0 || ${#SUDO[@]} -gt 0 ]] && command -v apt-get >/dev/null; then
-    echo "[install] apt-get install redis-server" >&2
-    "${SUDO[@]}" apt-get install -y -q redis-server >/dev/null 2>&1 \
-      || { "${SUDO[@]}" apt-get update -q >/dev/null && "${SUDO[@]}" apt-get install -y -q redis-server >/dev/null; }
+    echo "[install] apt-get install ${APT[*]}" >&2
+    # another apt run (unattended upgrades, a parallel install) may hold the lock: wait for it
+    APT_GET=("${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends)
+    "${APT_GET[@]}" "${APT[@]}" >/dev/null 2>&1 \
+      || { "${SUDO[@]}" apt-get update -q >/dev/null && "${APT_GET[@]}" "${APT[@]}" >/dev/null; }
   else
-    echo "[install] warning: redis-server missing and apt-get unavailable; Redis tests will skip" >&2
+    echo "[install] warning: ${APT[*]} missing and apt-get unavailable; their tests will skip" >&2
   fi
 fi
 # Chromium for the admin console's browser test (tests/console/test_console_browser.py): Debian's

@@ -51,3 +51,13 @@ def postgres_url() -> Iterator[str]:
         yield url
     finally:
         cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    """Path of promtool (Debian's prometheus package; a skip outside CI when missing)."""
+    try:
+        return services.prometheus_binaries()[1]
+    except FileNotFoundError as exc:
+        _missing("prometheus", exc)
+        raise

@@ -1,4 +1,4 @@
-"""Real backing services for tests: a throwaway redis-server and Postgres cluster.
+"""Real backing services for tests: a throwaway redis-server, Postgres cluster and Prometheus.
 
 Each starts on a free loopback port inside a temp dir and is stopped at the end of the test
 session. Tests that need one take the ``redis_url`` / ``postgres_url`` fixture (tests/conftest.py);
@@ -137,3 +137,57 @@ def run_postgres() -> Iterator[str]:
             stderr=subprocess.DEVNULL,
         )
         shutil.rmtree(root, ignore_errors=True)
+
+
+def prometheus_binaries() -> tuple[str, str]:
+    """(prometheus, promtool) from Debian's ``prometheus`` package (scripts/install.sh)."""
+    prom, tool = shutil.which("prometheus"), shutil.which("promtool")
+    if prom is None or tool is None:
+        raise FileNotFoundError("prometheus / promtool not installed (apt-get install prometheus)")
+    return prom, tool
+
+
+@contextmanager
+def run_prometheus(config: Path) -> Iterator[str]:
+    """A Prometheus server on ``config`` with its TSDB in a temp dir, on a free loopback port;
+    yields its base URL once ``/-/ready`` answers. Its log is ``<config dir>/prometheus.log``."""
+    import urllib.request
+
+    prom, _ = prometheus_binaries()
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="twinkle-prom-")
+    log = open(config.parent / "prometheus.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [
+            prom,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--web.enable-lifecycle",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (config.parent / "prometheus.log").read_text()[-2000:]
+                raise RuntimeError(f"prometheus did not start: {tail}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        shutil.rmtree(workdir, ignore_errors=True)

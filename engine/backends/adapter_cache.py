@@ -31,6 +31,9 @@ class AdapterDirCache(Generic[V]):
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, int(capacity))
         self._entries: OrderedDict[Key, V] = OrderedDict()
+        #: loads from a directory and evictions by `trim` so far (the Sampler's metrics)
+        self.loads = 0
+        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -62,6 +65,7 @@ class AdapterDirCache(Generic[V]):
             drop_stale(self._entries.pop(stale))
         value = load(key[0])
         self._entries[key] = value
+        self.loads += 1
         return value
 
     def trim(self, drop: Callable[[V], None], keep: Callable[[V], bool] = lambda v: False) -> None:
@@ -75,6 +79,11 @@ class AdapterDirCache(Generic[V]):
             if not keep(self._entries[key]):
                 drop(self._entries.pop(key))
                 excess -= 1
+                self.evictions += 1
+
+    def stats(self) -> dict[str, int]:
+        """``loaded`` (entries now), ``loads`` and ``evictions`` so far."""
+        return {"loaded": len(self._entries), "loads": self.loads, "evictions": self.evictions}
 
     def dirs(self) -> list[str]:
         """Cached adapter directories (real paths), least recently used first."""

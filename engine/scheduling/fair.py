@@ -66,6 +66,8 @@ class FairScheduler:
         self.fuse_fn: Callable[[list[Any]], list[Any]] | None = None
         self.fuse_max_jobs = 8
         self.fused_batches = 0
+        #: called on the event loop with each job as it starts (queue-wait metrics), or None
+        self.on_start: Callable[[Job], None] | None = None
 
     async def run(
         self,
@@ -162,6 +164,9 @@ class FairScheduler:
             self.running = job
             if self.fuse_fn is not None and job.fuse_item is not None:
                 batch = self._companions(job)
+                if self.on_start is not None:
+                    for j in batch:
+                        self.on_start(j)
                 if len(batch) > 1:
                     try:
                         await self._run_fused(loop, batch)
@@ -171,6 +176,8 @@ class FairScheduler:
                     for _ in range(CONTINUATION_YIELDS):
                         await asyncio.sleep(0)
                     continue
+            elif self.on_start is not None:
+                self.on_start(job)
             try:
                 result = await loop.run_in_executor(self._pool, job.fn)
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiting request
@@ -200,6 +207,20 @@ class FairScheduler:
                         return ahead, total
                     ahead += 1
         return None
+
+    def backlog(self) -> tuple[int, float | None]:
+        """(jobs queued, ``enqueued`` time of the oldest queue head or None). Safe to call from
+        another thread (the metrics scrape): the views are copied in one C call each."""
+        queues = [*list(self._new.values()), *list(self._old.values())]
+        depth, oldest = 0, None
+        for q in queues:
+            try:
+                head = q[0]
+            except IndexError:
+                continue
+            depth += len(q)
+            oldest = head.enqueued if oldest is None else min(oldest, head.enqueued)
+        return depth, oldest
 
     def queued_tenants(self) -> dict[str, int]:
         return {t: len(q) for t, q in (*self._new.items(), *self._old.items()) if q}

@@ -99,3 +99,57 @@ def test_metrics_can_require_an_admin_key(make_gateway) -> None:
         r = c.get("/metrics", headers={"X-API-Key": admin})
         assert r.status_code == 200 and "twinkle_http_requests_total" in r.text
         assert admin not in r.text and user not in r.text
+
+
+def test_storage_gauges_report_the_fullest_org_and_user(make_gateway) -> None:
+    """Checkpoint rows in the real DB against max_checkpoint_bytes limits: the fill ratio is the
+    fullest subject's per level (default user quota included); no subject is named."""
+    import sqlalchemy as sa
+    from sqlmodel import Session, select
+
+    from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow
+    from gateway.metrics_storage import fill_ratios
+
+    quotas = {"max_checkpoint_bytes": 1000}
+    with make_gateway(gateway={"default_user_quotas": quotas}) as gw:
+        gw.key("stor-u1", org="stor-org")
+        gw.key("stor-u2", org="stor-org")
+        set_quota(gw.db_url, "org", "stor-org", "max_checkpoint_bytes", 4000)
+        set_quota(gw.db_url, "user", "stor-u2", "max_checkpoint_bytes", 500)
+        engine = sa.create_engine(gw.db_url)
+        with Session(engine) as s:
+            users = {u.name: u.id for u in s.exec(select(UserRow))}
+            for name, size, eph in (
+                ("stor-u1", 600, False),
+                ("stor-u2", 400, False),
+                ("stor-u2", 9999, True),
+            ):
+                run = TrainingRunRow(
+                    id=f"run-{name}-{size}",
+                    user_id=users[name],
+                    session_id="no-session",
+                    base_model="twinkle/tiny-chat",
+                    lora_rank=4,
+                )
+                s.add(run)
+                s.flush()
+                s.add(
+                    CheckpointRow(
+                        run_id=run.id,
+                        user_id=users[name],
+                        kind="training",
+                        name=f"c{size}",
+                        tinker_path=f"tinker://{run.id}/c",
+                        storage_dir="/x",
+                        size_bytes=size,
+                        ephemeral=eph,
+                    )
+                )
+            s.commit()
+            kept, ratios = fill_ratios(s, quotas["max_checkpoint_bytes"])
+        assert kept == 1000  # the ephemeral checkpoint does not count
+        assert ratios == {"org": 1000 / 4000, "user": 400 / 500}  # u2's own limit beats the default
+        samples = _samples(gw.client.get("/metrics").text)
+        assert samples[("twinkle_storage_quota_fill_ratio", frozenset({("level", "user")}))] == 0.8
+        assert samples[("twinkle_checkpoint_bytes", frozenset())] == 1000
+        assert samples[("twinkle_data_dir_free_bytes", frozenset())] > 0
