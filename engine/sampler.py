@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 
-from engine.backends.adapter_cache import AdapterDirCache
 from engine.backends.base import SamplingBackend, TokenListener
 from engine.backends.registry import build_sampling_backend
 from engine.config import ModelConfig
@@ -96,8 +95,7 @@ class Sampler:
             depth = len(self._queue)
             oldest = self._queue[0][3] if self._queue else None
             batches, rows = self._batches, self._rows
-        cache = getattr(self.backend, "_cache", None)  # engine/backends/adapter_cache.py
-        stats = cache.stats() if isinstance(cache, AdapterDirCache) else {}
+        stats = self.backend.adapter_cache_stats()
         return State(
             queue_depth=depth,
             oldest_enqueued=oldest,

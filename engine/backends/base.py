@@ -214,6 +214,11 @@ class SamplingBackend(ABC):
                 results.append(e)
         return results
 
+    def adapter_cache_stats(self) -> dict[str, int]:
+        """Counts of the adapter-directory cache (``loaded``, ``loads``, ``evictions``) for the
+        Sampler's metrics; empty for a backend without one. Read on the metrics thread."""
+        return {}
+
     def image_token_id(self) -> int | None:
         """A vision-language model's image token (what its chat template renders per image
         part, e.g. Qwen2-VL's ``<|image_pad|>``), for a backend that samples images; None (the

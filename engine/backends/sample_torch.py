@@ -223,6 +223,9 @@ class TorchSamplingBackend(SamplingBackend):
             results[i] = r.output()
         return results  # type: ignore[return-value]
 
+    def adapter_cache_stats(self) -> dict[str, int]:
+        return self._cache.stats()
+
     def sample(self, inp: SampleInput) -> SampleOutput:
         """Generate ``inp.num_samples`` sequences for one prompt (raises its EngineError)."""
         out = self.sample_many([inp])[0]

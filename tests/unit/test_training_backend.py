@@ -154,7 +154,8 @@ def _d(tokens, targets=None, weights=None, drop=()):
         (
             [_d([1, 2])],
             "x",
-            "unknown loss_fn 'x'; known: cispo, cross_entropy, dpo, dro, importance_sampling, ppo",
+            "unknown loss_fn 'x'; known: cispo, cross_entropy, dpo, dro, gspo, "
+            "importance_sampling, ppo",
         ),
         ([_d(list(range(513)))], "cross_entropy", "data[0].model_input: length 513 exceeds"),
     ],
