@@ -154,8 +154,6 @@ def start_server(
     """A `twinkle serve` of ``path`` as ``name`` (Trainer torch threads: ``threads``, None = the
     server's default; ``metrics``: Prometheus metrics on or off): (process, url, env, seconds to
     ready)."""
-    import httpx
-
     port = _free_port()
     config = work / "server.yaml"
     trainer = f"    trainer: {{torch_threads: {threads}}}\n" if threads else ""
@@ -164,6 +162,17 @@ def start_server(
         f"models:\n  - name: {name}\n    path: {path}\n    max_lora_rank: {RANK}\n"
         "    execution: sequential\n" + trainer + off
     )
+    return start_server_config(config, work, port)
+
+
+def start_server_config(
+    config: Path, work: Path, port: int | None = None
+) -> tuple[subprocess.Popen, str, dict, float]:
+    """`twinkle serve --config config` with data in ``work/data`` (emptied first) on ``port`` (a
+    free one if None): (process, url, env, seconds to ready); its log is ``work/serve.log``."""
+    import httpx
+
+    port = port or _free_port()
     shutil.rmtree(work / "data", ignore_errors=True)
     env = dict(os.environ, TWINKLE_DATA_DIR=str(work / "data"))
     log = open(work / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
