@@ -80,19 +80,38 @@ def roles_for(n: int) -> list[str]:
 # ----------------------------------------------------------------------------------- server side
 
 
-def rss_mb() -> dict[str, float]:
-    """Resident MB of the server's processes, by PROCS (summed over replicas)."""
-    out: dict[str, float] = defaultdict(float)
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it (Ray's raylet, GCS and workers of a private cluster
+    are children of the `twinkle serve` driver: other servers on the machine are not counted)."""
+    children: dict[int, list[int]] = defaultdict(list)
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def rss_mb(root: int) -> dict[str, float]:
+    """Resident MB of the server's processes (``root``'s tree), by PROCS summed over replicas;
+    the driver is ``root`` itself."""
+    out: dict[str, float] = defaultdict(float)
+    for pid in descendants(root):
+        d = Path(f"/proc/{pid}")
         try:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             status = (d / "status").read_text()
         except OSError:
             continue
         name = next((k for k, v in PROCS.items() if v in cmd), None)
-        if name is None and "twinkle serve" in cmd and "python" in cmd.split(" ")[0] + cmd:
+        if pid == root:
             name = "serve driver"
         if name is None:
             continue
@@ -102,19 +121,19 @@ def rss_mb() -> dict[str, float]:
 
 
 class RssSampler(threading.Thread):
-    def __init__(self, period: float = 5.0) -> None:
+    def __init__(self, root: int, period: float = 5.0) -> None:
         super().__init__(daemon=True)
-        self.period, self.samples = period, []
+        self.root, self.period, self.samples = root, period, []
         self._halt = threading.Event()
 
     def run(self) -> None:
         while not self._halt.wait(self.period):
-            self.samples.append(rss_mb())
+            self.samples.append(rss_mb(self.root))
 
     def stop(self) -> list[dict[str, float]]:
         self._halt.set()
         self.join()
-        self.samples.append(rss_mb())
+        self.samples.append(rss_mb(self.root))
         return self.samples
 
 
@@ -186,7 +205,8 @@ def _worker(spec: dict, work: Path, tag: str, env: dict) -> tuple[subprocess.Pop
 
 
 def vanishers(url: str, slots: list[tuple[int, str]], seconds: float, work: Path, env) -> dict:
-    """Keep one vanishing SDK client per slot running, each SIGKILLed after 3-15 s."""
+    """Keep one vanishing SDK client per slot running, each SIGKILLed 0.5-6 s after its first
+    optimizer step (futures in flight), then replaced."""
     rng = random.Random(0)
     killed = Counter()
     deadline = time.monotonic() + seconds
@@ -201,7 +221,11 @@ def vanishers(url: str, slots: list[tuple[int, str]], seconds: float, work: Path
                 "tenants": [{"tenant": tenant, "role": "vanish", "key": key}],
             }
             proc, _ = _worker(spec, work, f"vanish{tenant}-{n}", env)
-            time.sleep(min(rng.uniform(3, 15), max(deadline - time.monotonic(), 0)))
+            log = work / f"vanish{tenant}-{n}.log"
+            started = time.monotonic()  # killed once it trains (a step done), mid-run
+            while time.monotonic() - started < 120 and "step " not in log.read_text():
+                time.sleep(0.2)
+            time.sleep(min(rng.uniform(0.5, 6), max(deadline - time.monotonic(), 0)))
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             killed[tenant] += 1
@@ -354,7 +378,7 @@ def main() -> int:
             for w in range(a.workers)
         ]
         time.sleep(min(20.0, a.seconds / 4))  # every tenant has started
-        sampler = RssSampler()
+        sampler = RssSampler(proc.pid)
         sampler.start()
         extra = vanishers(url, slots, end - time.monotonic(), work, cenv)
         books = []

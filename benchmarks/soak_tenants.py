@@ -162,6 +162,8 @@ class Tenant:
             self._future("forward_backward", fb, t0)
             if self._future("optim_step", opt, t0) is not None:
                 self.book.steps += 1
+                if self.book.role == "vanish":  # soak.py kills it only once it is training
+                    print(f"step {self.book.steps}", flush=True)
             if self.book.steps % 10 == 0:
                 t0 = time.perf_counter()
                 self.issue("save")
