@@ -305,10 +305,17 @@ def report(books: list[dict], traces: dict, rss: list[dict], seconds: float, ext
         print(f"{role:8} {span:>22} {ratio:8.2f} {jain(steps):6.3f}")
     start, end = rss[0], rss[-1]
     peak = {k: max(s.get(k, 0.0) for s in rss) for k in start}
-    print(f"\n{'process':14} {'RSS start MB':>12} {'end MB':>8} {'peak MB':>8} {'growth':>7}")
+    # the quarter points show whether growth levels off (the future store keeps results
+    # future_ttl_seconds, then drops them) or keeps climbing
+    quarters = [rss[min(len(rss) - 1, round(q * (len(rss) - 1)))] for q in (0.25, 0.5, 0.75)]
+    print(
+        f"\n{'process':14} {'RSS start MB':>12} {'25%':>6} {'50%':>6} {'75%':>6} {'end MB':>8} "
+        f"{'peak MB':>8} {'growth':>7}"
+    )
     for k in sorted(start):
         g = end.get(k, 0.0) / start[k] - 1 if start[k] else float("nan")
-        print(f"{k:14} {start[k]:12.0f} {end.get(k, 0.0):8.0f} {peak[k]:8.0f} {g:+7.1%}")
+        mid = " ".join(f"{q.get(k, 0.0):6.0f}" for q in quarters)
+        print(f"{k:14} {start[k]:12.0f} {mid} {end.get(k, 0.0):8.0f} {peak[k]:8.0f} {g:+7.1%}")
     errors = Counter()
     for b in books:
         errors.update({f"{b['role']}: {k}": v for k, v in b["failed"].items()})
@@ -327,7 +334,7 @@ def report(books: list[dict], traces: dict, rss: list[dict], seconds: float, ext
             op: {"n": len(xs), "p50": pct(xs, 50), "p99": pct(xs, 99)} for op, xs in lat.items()
         },
         "fairness": fairness,
-        "rss_mb": {"start": start, "end": end, "peak": peak},
+        "rss_mb": {"start": start, "end": end, "peak": peak, "samples": rss},
         "errors": dict(errors),
         **extra,
         "books": books,
@@ -341,12 +348,19 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=100_000, help="optimizer steps per tenant")
     ap.add_argument("--workers", type=int, default=4, help="client processes (tenants as threads)")
     ap.add_argument("--quick", action="store_true", help="8 tenants, 60 s")
+    ap.add_argument(
+        "--future-ttl",
+        type=float,
+        help="the server's future_ttl_seconds (default 3600: finished results kept an hour, so "
+        "the gateway's memory grows for the first hour of a soak)",
+    )
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
     if a.quick:
         a.tenants, a.seconds = 8, 60.0
     work = Path(tempfile.mkdtemp(prefix="soak-"))
-    (work / "config.yaml").write_text(f"models:\n  - name: {BASE}\n")
+    ttl = f"future_ttl_seconds: {a.future_ttl}\n" if a.future_ttl else ""
+    (work / "config.yaml").write_text(f"models:\n  - name: {BASE}\n{ttl}")
     print(f"[soak] starting twinkle serve (work dir {work}) ...", file=sys.stderr, flush=True)
     proc, url, env, ready = start_server_config(work / "config.yaml", work)
     try:
