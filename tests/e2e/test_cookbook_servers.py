@@ -231,5 +231,8 @@ def test_run_sh_serves_on_a_ray_cluster_it_starts_and_stops(tmp_path: Path) -> N
                 raise
     assert "[run.sh] Ray nodes stopped" in log_path.read_text()
     assert temp_dir is not None
+    # No node recorded this (now dead) cluster where a bare ray.init() elsewhere would join it.
+    recorded = Path("/tmp/ray/ray_current_cluster")
+    assert not recorded.exists() or ray_port not in recorded.read_text()
     left = subprocess.run(["pgrep", "-f", temp_dir], capture_output=True, text=True).stdout
     assert left == "", f"Ray processes of {temp_dir} left behind: {left}"

@@ -73,7 +73,9 @@ SCRIPT = textwrap.dedent(
             out["unkeyed"] = [a - b for a, b in zip(after, before)]
             return out
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    # "local": a bare init() would join whatever cluster `ray start` last recorded in
+    # /tmp/ray/ray_current_cluster (a dead one, after another test or user stopped it)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
     config = ServerConfig.model_validate({"models": [{
         "name": BASE, "execution": "sequential",
         "trainer": {"num_replicas": 2, "num_cpus": 0.2},

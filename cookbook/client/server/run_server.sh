@@ -107,7 +107,10 @@ else
 fi
 ADDRESS="127.0.0.1:$RAY_PORT"
 echo "[run.sh] Ray head at $ADDRESS (temp dir: $RAY_TMP, node logs: $LOGS)" >&2
-worker_args=(--address="$ADDRESS" --node-ip-address=127.0.0.1)
+# Worker nodes get --temp-dir too: without it `ray start --address` records the cluster in
+# /tmp/ray/ray_current_cluster, and once this cluster is gone a bare ray.init() anywhere on the
+# machine fails on that dead address ("When connecting to an existing cluster, num_cpus ...").
+worker_args=(--address="$ADDRESS" --node-ip-address=127.0.0.1 --temp-dir="$RAY_TMP")
 for ((i = 1; i <= CPU_WORKERS; i++)); do
   start_node "cpu-worker-$i" "${worker_args[@]}" --num-cpus="$WORKER_CPUS" --num-gpus=0
 done
