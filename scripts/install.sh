@@ -40,6 +40,8 @@ if ! command -v chromium >/dev/null; then
     echo "[install] warning: chromium missing and apt-get unavailable; the console browser test will skip" >&2
   fi
 fi
+# Terraform, its null provider, python-hcl2 and checkov for tests/infra, in .tools/ (own stamp).
+bash scripts/install_infra_tools.sh
 STAMP=.venv/.twinkle-installed
 WANT=$(cat constraints.txt pyproject.toml client/pyproject.toml | sha256sum | cut -c1-16)
 if [[ -f $STAMP && $(cat $STAMP) == "$WANT" && -x .venv/bin/twinkle ]]; then
