@@ -38,7 +38,13 @@ locals {
       for k in sort(keys(local.secret_keys)) : {
         name = k
         valueFrom = {
-          secretKeyRef = { name = var.secret_name, key = local.secret_keys[k] }
+          # Only the database URL must be in the Secret; a missing other key leaves its
+          # variable unset (no Redis; signing keys kept in the data dir).
+          secretKeyRef = {
+            name     = var.secret_name
+            key      = local.secret_keys[k]
+            optional = k != "TWINKLE_DATABASE_URL"
+          }
         }
       } if local.secret_keys[k] != ""
     ],
