@@ -37,7 +37,8 @@ chmod +x "$TF_BIN" "$NULL_BIN"
 ln -sfn "$(realpath "$TF_BIN")" "$TOOLS/bin/terraform"
 PLUGIN=$TOOLS/terraform-plugins/registry.terraform.io/hashicorp/null/2.1.2/linux_amd64
 mkdir -p "$PLUGIN"
-cp "$NULL_BIN" "$PLUGIN/"
+# copy and rename: a running Terraform may be executing the old copy (cp would fail: text file busy)
+cp "$NULL_BIN" "$PLUGIN/.tmp-$$" && mv -f "$PLUGIN/.tmp-$$" "$PLUGIN/terraform-provider-null_v2.1.2_x4"
 CK_VENV=$TOOLS/checkov-venv
 [[ -x $CK_VENV/bin/python ]] || "$PY" -m venv "$CK_VENV"
 "$CK_VENV/bin/python" -m pip --disable-pip-version-check -q install \
