@@ -20,4 +20,6 @@ def clean(value):
 
 
 folder = Path(sys.argv[1])
-json.dump({p.name: clean(hcl2.loads(p.read_text())) for p in sorted(folder.glob("*.tf"))}, sys.stdout)
+json.dump(
+    {p.name: clean(hcl2.loads(p.read_text())) for p in sorted(folder.glob("*.tf"))}, sys.stdout
+)

@@ -156,7 +156,10 @@ def test_render_raycluster(rendered: dict[str, dict]) -> None:
         assert c["securityContext"]["runAsNonRoot"] is True
         assert {"name": "data", "mountPath": "/data"} in c["volumeMounts"]
     volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
-    assert volumes["data"] == {"name": "data", "persistentVolumeClaim": {"claimName": "twinkle-data"}}
+    assert volumes["data"] == {
+        "name": "data",
+        "persistentVolumeClaim": {"claimName": "twinkle-data"},
+    }
 
 
 def test_render_driver_and_service(rendered: dict[str, dict]) -> None:
@@ -277,7 +280,13 @@ def test_kuberay_module_pins_and_documents_everything() -> None:
     for image in ("postgres_image", "redis_image"):
         # an exact release (postgres versions are major.minor), never latest or a major alone
         assert re.search(r":\d+\.\d+(\.\d+)?-\w+$", variables[image]["default"]), image
-    for secret in ("database_url", "redis_url", "jwt_secret", "url_signing_key", "postgres_password"):
+    for secret in (
+        "database_url",
+        "redis_url",
+        "jwt_secret",
+        "url_signing_key",
+        "postgres_password",
+    ):
         assert variables[secret]["sensitive"] is True, secret
 
 

@@ -28,7 +28,9 @@ MODULES = TF_ROOT / "modules"
 def require(path: Path) -> Path:
     if path.exists():
         return path
-    msg = f"{path.relative_to(REPO)} missing: run scripts/install.sh (scripts/install_infra_tools.sh)"
+    msg = (
+        f"{path.relative_to(REPO)} missing: run scripts/install.sh (scripts/install_infra_tools.sh)"
+    )
     if os.environ.get("CI"):
         pytest.fail(msg)
     pytest.skip(msg)
@@ -47,15 +49,15 @@ def terraform(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Complet
         cmd, cwd=cwd, env=tf_env(), capture_output=True, text=True, timeout=timeout
     )
     if out.returncode != 0:
-        pytest.fail(f"terraform {' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+        pytest.fail(
+            f"terraform {' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
+        )
     return out
 
 
 def init(cwd: Path) -> None:
     """``init`` with no backend and providers only from the local plugin dir (no registry)."""
-    terraform(
-        "init", "-backend=false", "-no-color", f"-plugin-dir={require(PLUGIN_DIR)}", cwd=cwd
-    )
+    terraform("init", "-backend=false", "-no-color", f"-plugin-dir={require(PLUGIN_DIR)}", cwd=cwd)
 
 
 def copy_tree(dst: Path) -> Path:
