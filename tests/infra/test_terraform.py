@@ -308,3 +308,14 @@ def test_kuberay_passes_known_inputs_to_manifests() -> None:
     passed = set(call) - {"source"}
     assert passed <= declared, passed - declared
     assert "image" in passed and "server_config" in passed
+
+
+@pytest.mark.parametrize("module", ["twinkle-manifests", "twinkle-kuberay", "twinkle-host"])
+def test_readme_lists_every_input_and_output(module: str) -> None:
+    """infra/terraform/README.md's tables name every variable and output, and nothing else."""
+    parsed = tools.hcl(tools.MODULES / module)
+    readme = (tools.TF_ROOT / "README.md").read_text()
+    section = readme.split(f"### `{module}`", 1)[1].split("\n### ", 1)[0]
+    listed = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    outputs = {name for f in parsed.values() for b in f.get("output", []) for name in b}
+    assert listed == set(_variables(parsed)) | outputs

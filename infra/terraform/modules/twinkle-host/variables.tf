@@ -6,7 +6,7 @@ variable "ssh_target" {
 
 variable "ssh_options" {
   type        = list(string)
-  description = "Options of every ssh (and rsync -e ssh) call."
+  description = "Options of every ssh call (ssh_target set, command_prefix empty)."
   default     = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
 }
 
@@ -18,7 +18,7 @@ variable "command_prefix" {
 
 variable "source_dir" {
   type        = string
-  description = "A Twinkle checkout on this machine, copied to install_dir on the host with rsync (without .venv and .tools). Empty: install_dir already holds the code (a clone made by cloud-init, or this machine's checkout)."
+  description = "A Twinkle checkout on this machine, copied to install_dir on the host as a tar stream through ssh or command_prefix (without .git, .venv, .tools, .twinkle). Empty: install_dir already holds the code (a clone made by cloud-init, or this machine's checkout)."
   default     = ""
 }
 
