@@ -11,6 +11,7 @@ command -v "$PY" >/dev/null || PY=python3
 # (infra/observability/). Installed with apt when missing and we may (root or sudo); 6 s + 10 s.
 APT=()
 command -v redis-server >/dev/null || APT+=(redis-server)
+command -v curl >/dev/null || APT+=(curl)   # infra/terraform/modules/twinkle-host's health probe
 { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || APT+=(prometheus)
 if [[ ${#APT[@]} -gt 0 ]]; then
   SUDO=(); [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO=(sudo -n)
