@@ -11,6 +11,7 @@ command -v "$PY" >/dev/null || PY=python3
 # (infra/observability/). Installed with apt when missing and we may (root or sudo); 6 s + 10 s.
 APT=()
 command -v redis-server >/dev/null || APT+=(redis-server)
+command -v curl >/dev/null || APT+=(curl)   # infra/terraform/modules/twinkle-host's health probe
 { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || APT+=(prometheus)
 if [[ ${#APT[@]} -gt 0 ]]; then
   SUDO=(); [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null && SUDO=(sudo -n)
@@ -40,6 +41,8 @@ if ! command -v chromium >/dev/null; then
     echo "[install] warning: chromium missing and apt-get unavailable; the console browser test will skip" >&2
   fi
 fi
+# Terraform, its null provider, python-hcl2 and checkov for tests/infra, in .tools/ (own stamp).
+bash scripts/install_infra_tools.sh
 STAMP=.venv/.twinkle-installed
 WANT=$(cat constraints.txt pyproject.toml client/pyproject.toml | sha256sum | cut -c1-16)
 if [[ -f $STAMP && $(cat $STAMP) == "$WANT" && -x .venv/bin/twinkle ]]; then
