@@ -5,7 +5,9 @@ options. ``num_replicas: N`` becomes N single-replica deployments that the gatew
 itself (gateway/engine_client.py). `max_ongoing_requests` is high because a Trainer replica holds
 requests that wait for their seq_id turn (they cost no compute while waiting). With
 ``engine_metrics.enabled`` each replica serves its Prometheus metrics and lists itself in the data
-dir's target folder (engine/telemetry/exporter.py), which `engine_apps` clears first.
+dir's target folder (engine/telemetry/exporter.py), which `engine_apps` clears first. A
+replica's ``resources`` pin it to the nodes of a multi-node cluster that offer them; when that node
+dies, Serve keeps the replica pending and places it again once a node with the resource joins.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 from ray import serve
 from ray.serve.deployment import Application
 
-from engine.config import EngineConfig, EngineMetricsConfig, ModelConfig
+from engine.config import EngineConfig, EngineMetricsConfig, ModelConfig, ReplicaConfig
 from engine.sampler import Sampler
 from engine.telemetry.exporter import clear_targets
 from engine.trainer import Trainer
@@ -30,6 +32,15 @@ def deployment_suffix(model_name: str) -> str:
 def _replica_name(role: str, model: ModelConfig, i: int) -> str:
     base = f"{role}-{deployment_suffix(model.name)}"
     return base if i == 0 else f"{base}-r{i}"
+
+
+def actor_options(replica: ReplicaConfig) -> dict:
+    """Ray actor options of one replica: CPUs, GPUs and the custom resources that pin it to
+    nodes (``trainer: {resources: {trainer_node: 1}}``)."""
+    opts: dict = {"num_cpus": replica.num_cpus, "num_gpus": replica.num_gpus}
+    if replica.resources:
+        opts["resources"] = dict(replica.resources)
+    return opts
 
 
 def _telemetry(metrics: EngineMetricsConfig | None, name: str) -> dict | None:
@@ -51,7 +62,7 @@ def trainer_app(
         name=name,
         num_replicas=1,
         max_ongoing_requests=MAX_ONGOING,
-        ray_actor_options={"num_cpus": model.trainer.num_cpus, "num_gpus": model.trainer.num_gpus},
+        ray_actor_options=actor_options(model.trainer),
     ).bind(
         model.model_dump(), data_dir, gap_timeout=gap_timeout, telemetry=_telemetry(metrics, name)
     )
@@ -66,7 +77,7 @@ def sampler_app(
         name=name,
         num_replicas=1,
         max_ongoing_requests=MAX_ONGOING,
-        ray_actor_options={"num_cpus": model.sampler.num_cpus, "num_gpus": model.sampler.num_gpus},
+        ray_actor_options=actor_options(model.sampler),
     ).bind(model.model_dump(), data_dir, telemetry=_telemetry(metrics, name))
 
 

@@ -50,6 +50,22 @@ class ReplicaConfig(_Strict):
         "the process use (num_cpus only reserves for Ray's scheduling, and Ray would otherwise "
         "leave a replica with num_cpus < 2 one thread); 1 for the built-in tiny models",
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each replica needs, to pin it to the nodes that offer "
+        "them (e.g. {trainer_node: 1} with `ray start --resources '{\"trainer_node\": 1}'` on "
+        "those nodes); a replica waits (healthz 503) while no live node offers them",
+    )
+
+    @model_validator(mode="after")
+    def _positive_resources(self) -> Self:
+        bad = sorted(k for k, v in self.resources.items() if v <= 0)
+        if bad:
+            raise ValueError(f"resources: amounts must be > 0, got {bad}")
+        reserved = sorted(k for k in self.resources if k in ("CPU", "GPU", "memory"))
+        if reserved:
+            raise ValueError(f"resources: use num_cpus/num_gpus, not {reserved}")
+        return self
 
 
 class MegatronConfig(_Strict):

@@ -3,10 +3,14 @@ quota, metrics and Tinker API sections), validated strictly like the engine's pa
 
 Owns every knob only the gateway reads. The engine never imports this module; it receives an
 `EngineConfig` (this class is one). `effective_redis_url` is the one place that decides which
-Redis a replica uses (the ``TWINKLE_REDIS_URL`` variable wins over ``gateway.redis_url``).
+Redis a replica uses (the ``TWINKLE_REDIS_URL`` variable wins over ``gateway.redis_url``);
+`check_profile` what the ``production`` profile requires (Postgres and Redis, checked before
+anything starts).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -16,6 +20,7 @@ from engine.errors import ConfigError
 __all__ = [
     "GatewayConfig",
     "ServerConfig",
+    "check_profile",
     "check_replicas_share_state",
     "effective_redis_url",
 ]
@@ -52,6 +57,21 @@ class GatewayConfig(_Strict):
 class ServerConfig(EngineConfig):
     """The whole server config: the engine's part plus the gateway's sections."""
 
+    profile: Literal["development", "production"] = Field(
+        default="development",
+        description="production: Postgres (TWINKLE_DATABASE_URL) and Redis (gateway.redis_url or "
+        "TWINKLE_REDIS_URL) are required, and `twinkle serve` does not migrate the database: "
+        "it refuses to start unless `twinkle migrate` brought it to the head revision",
+    )
+    drain_timeout_seconds: float = Field(
+        default=60.0,
+        ge=0,
+        description="On SIGTERM, how long `twinkle serve` waits for in-flight requests (futures) "
+        "to finish before it stops; meanwhile new requests get 503 with Retry-After",
+    )
+    drain_retry_after_seconds: int = Field(
+        default=30, ge=1, description="Retry-After of the 503 answered while draining"
+    )
     host: str = Field(default="127.0.0.1", description="HTTP bind address")
     port: int = Field(default=8000, ge=1, le=65535, description="HTTP port")
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
@@ -134,3 +154,27 @@ def check_replicas_share_state(settings_redis_url: str | None, config: ServerCon
             "and rate-limit state must be shared between gateway replicas (set gateway.redis_url "
             "or TWINKLE_REDIS_URL)"
         )
+
+
+def check_profile(database_url: str, settings_redis_url: str | None, config: ServerConfig) -> None:
+    """The ``production`` profile needs the shared services a multi-replica deploy relies on:
+    Postgres (SQLite is one file on one host) and Redis (futures, idempotency keys and quotas
+    shared by gateway replicas). A ConfigError names the missing key."""
+    if config.profile != "production":
+        return
+    from sqlalchemy.engine import make_url
+
+    missing = []
+    try:
+        backend = make_url(database_url).get_backend_name()
+    except Exception:  # an unparsable URL is as wrong as a SQLite one here
+        backend = "?"
+    if backend != "postgresql":
+        missing.append(
+            f"TWINKLE_DATABASE_URL must name a Postgres database (postgresql://...), got "
+            f"{backend!r}"
+        )
+    if not effective_redis_url(settings_redis_url, config):
+        missing.append("gateway.redis_url (or TWINKLE_REDIS_URL) must name a Redis")
+    if missing:
+        raise ConfigError("profile: production needs " + "; ".join(missing))

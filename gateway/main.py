@@ -24,6 +24,8 @@ from gateway.engine_client import EngineClient
 from gateway.errors import register_exception_handlers
 from gateway.futures.kv import make_kv
 from gateway.futures.store import FutureStore
+from gateway.lifecycle import Drain, DrainMiddleware
+from gateway.lifecycle import router as lifecycle_router
 from gateway.metrics import GatewayMetrics, MetricsMiddleware, metrics_router
 from gateway.metrics_storage import StorageCollector
 from gateway.middleware import IdempotencyKeyMiddleware, RequestHeadersMiddleware
@@ -121,6 +123,13 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         deprecated_below=config.sdk_deprecated_below,
         unsupported_below=config.sdk_unsupported_below,
     )
+    # While draining (SIGTERM under `twinkle serve`), new work gets 503 + Retry-After; outside
+    # the request-id middleware so the 503 carries the client's request id like any error.
+    app.state.drain = Drain(
+        config.drain_retry_after_seconds,
+        lambda: app.state.futures.pending_count() if hasattr(app.state, "futures") else 0,
+    )
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     # Metrics are added last, so outermost: they see the status of replays and rendered errors.
     app.state.metrics = None
     if config.gateway.metrics_enabled:
@@ -138,6 +147,7 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         app.include_router(metrics_router(config.gateway.metrics_require_admin))
     # exports / checkpoints before runs: their .../{checkpoint_id:path}/publish|ttl|... routes
     # must be tried before runs' DELETE .../{checkpoint_id:path}.
+    app.include_router(lifecycle_router)
     for module in (sessions, session_search, session_queries, session_traces, training):
         app.include_router(module.router)
     for module in (custom_losses, saves, exports, sampling, retrieve, compat):

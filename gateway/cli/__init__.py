@@ -1,5 +1,5 @@
-"""The `twinkle` command: `serve`, `keys`, `orgs`, `quotas`, `models` (build-tiny, build-tiny-vl,
-pull), `console` (the admin console)."""
+"""The `twinkle` command: `serve`, `migrate`, `keys`, `orgs`, `quotas`, `models` (build-tiny,
+build-tiny-vl, pull), `console` (the admin console)."""
 
 from __future__ import annotations
 
@@ -58,12 +58,36 @@ def _models_main(argv: list[str]) -> int:
     return 0
 
 
+def _migrate_main(argv: list[str]) -> int:
+    """Bring $TWINKLE_DATABASE_URL to the head revision: the once-per-deploy step of the
+    ``production`` profile (its servers only check). Concurrent runs take turns (an advisory
+    lock); ``--check`` only reports (exit 1 when not at head)."""
+    parser = argparse.ArgumentParser(prog="twinkle migrate")
+    parser.add_argument("--check", action="store_true", help="only check the revision")
+    args = parser.parse_args(argv)
+    from engine.errors import ConfigError
+    from gateway.db import check_at_head, upgrade_to_head
+    from gateway.settings import Settings
+
+    url = Settings.from_env().database_url
+    try:
+        if not args.check:
+            upgrade_to_head(url)
+        print(f"database at head revision {check_at_head(url)}")
+    except ConfigError as e:
+        print(f"twinkle migrate: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="twinkle", description="Multi-tenant LoRA training service (Tinker-compatible)"
     )
-    parser.add_argument("command", choices=["serve", "keys", "orgs", "quotas", "models", "console"])
+    parser.add_argument(
+        "command", choices=["serve", "migrate", "keys", "orgs", "quotas", "models", "console"]
+    )
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -82,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:  # a bad config or a model that cannot be found: no traceback
             print(f"twinkle serve: {e}", file=sys.stderr)
             return 2
+    if command == "migrate":
+        return _migrate_main(rest)
     if command == "keys":
         from gateway.cli.keys import keys_main
 

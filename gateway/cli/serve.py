@@ -1,20 +1,26 @@
 """`twinkle serve`: run the whole service in the foreground on Ray Serve.
 
-Owns: process start-up (migrations, the tiny model, then a private loopback Ray, or the existing
-cluster named by ``ray.address`` / ``RAY_ADDRESS``, as cookbook/client/server/run_server.sh starts
-one), the Serve application (gateway ingress bound to one Trainer and one Sampler per base model)
-and a clean shutdown on SIGTERM / Ctrl-C: our Serve application goes, and with a private Ray no Ray
-process is left behind (a joined cluster keeps running: its owner stops it).
+Owns: process start-up (the profile's checks, migrations — or, with ``profile: production``,
+only a check that `twinkle migrate` brought the database to head —, the tiny model, then a private
+loopback Ray, or the existing cluster named by ``ray.address`` / ``RAY_ADDRESS``, as
+cookbook/client/server/run_server.sh starts one), the Serve application (gateway ingress on the
+head node, bound to one Trainer and one Sampler per base model, which a replica's ``resources``
+pin to other nodes) and a graceful shutdown on SIGTERM / Ctrl-C: the gateway replicas drain
+(gateway/lifecycle.py; the flag and their pending counts travel through Ray's internal KV, which
+every replica reaches), then our Serve application goes, and with a private Ray no Ray process is
+left behind (a joined cluster keeps running: its owner stops it).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
 
 def _prepare_env() -> None:
@@ -34,30 +40,123 @@ _prepare_env()
 
 from ray import serve  # noqa: E402
 
-from gateway.config import ServerConfig, check_replicas_share_state  # noqa: E402
+from gateway.config import (  # noqa: E402
+    ServerConfig,
+    check_profile,
+    check_replicas_share_state,
+)
 from gateway.engine_client import EngineClient  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 
 log = logging.getLogger("twinkle.serve")
 APP_NAME = "twinkle"
+#: Ray internal-KV keys of the drain: the flag the driver sets, and the prefix under which each
+#: gateway replica publishes {"pending": n, "t": wall time} while it drains
+DRAIN_FLAG = b"twinkle:drain"
+DRAIN_STATUS = b"twinkle:drain-status:"
+#: how often a gateway replica looks at the flag and the driver at the replicas' counts
+DRAIN_POLL_S = 0.5
+#: after the last in-flight future finished, how long the driver keeps the gateway up so clients
+#: long-polling retrieve_future collect the result (a poll answers within milliseconds)
+DRAIN_COLLECT_S = 2.0
+#: Ray gives the head node (only) 1 unit of node:__internal_head__; a sliver of it keeps the
+#: gateway where the head is (Ray Train pins its state actor the same way)
+HEAD_RESOURCE = {"node:__internal_head__": 0.001}
 
 
-@serve.deployment(name="gateway", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0.25})
+def _kv() -> Any:
+    from ray.experimental import internal_kv
+
+    return internal_kv
+
+
+@serve.deployment(
+    name="gateway",
+    max_ongoing_requests=4096,
+    ray_actor_options={"num_cpus": 0.25, "resources": HEAD_RESOURCE},
+)
 @serve.ingress()
 class Gateway:
-    """The FastAPI gateway as a Serve ingress; the app is built on the replica."""
+    """The FastAPI gateway as a Serve ingress; the app is built on the replica. A thread watches
+    the drain flag and, once it is set, drains the app and publishes its pending count."""
 
     def __init__(self, settings: dict, config: dict, engines: dict) -> None:
         self._settings = Settings.model_validate(settings)
         self._config = ServerConfig.model_validate(config)
         self._engines = engines
+        if self._config.profile == "production":  # each replica checks; only `migrate` migrates
+            from gateway.db import check_at_head
+
+            check_at_head(self._settings.database_url)
+        self._app: Any = None
+        threading.Thread(target=self._watch_drain, name="drain-watch", daemon=True).start()
 
     def __serve_build_asgi_app__(self):
         from gateway.main import create_app
 
-        return create_app(
+        self._app = create_app(
             self._settings, self._config, EngineClient(self._engines, ray_handles=True)
         )
+        return self._app
+
+    def _watch_drain(self) -> None:
+        kv, me = _kv(), serve.get_replica_context().replica_id.unique_id.encode()
+        while True:
+            time.sleep(DRAIN_POLL_S)
+            try:
+                if self._app is None or not kv._internal_kv_get(DRAIN_FLAG):
+                    continue
+                drain = self._app.state.drain
+                drain.start()
+                status = {"pending": _pending(drain), "t": time.time()}
+                kv._internal_kv_put(DRAIN_STATUS + me, json.dumps(status).encode())
+            except Exception:  # the GCS going away at shutdown; keep serving meanwhile
+                log.debug("drain watch", exc_info=True)
+
+
+def _pending(drain: Any) -> int:
+    # counted on this thread while the event loop mutates the store: retry a torn read
+    for _ in range(10):
+        try:
+            return int(drain.pending())
+        except RuntimeError:  # dictionary changed size during iteration
+            time.sleep(0.01)
+    return 1
+
+
+def _drain(config: ServerConfig) -> None:
+    """Ask every gateway replica to drain, then wait until all of them report no pending
+    future (and `DRAIN_COLLECT_S` more for results to be collected), or the timeout."""
+    kv, t0 = _kv(), time.time()
+    kv._internal_kv_put(DRAIN_FLAG, b"1")
+    deadline = time.monotonic() + config.drain_timeout_seconds
+    pending: int | None = None
+    while time.monotonic() < deadline:
+        time.sleep(DRAIN_POLL_S)
+        fresh = []
+        for key in kv._internal_kv_list(DRAIN_STATUS):
+            raw = kv._internal_kv_get(key)
+            status = json.loads(raw) if raw else None
+            if status and status["t"] >= t0:
+                fresh.append(status["pending"])
+        pending = sum(fresh) if len(fresh) >= config.gateway.num_replicas else None
+        if pending == 0:
+            print("Drained: no request in flight", flush=True)
+            time.sleep(DRAIN_COLLECT_S)
+            return
+    print(
+        f"Drain timed out after {config.drain_timeout_seconds:g}s with "
+        f"{'an unknown number of' if pending is None else pending} request(s) in flight; they "
+        "fail (their clients see the connection close)",
+        flush=True,
+    )
+
+
+def _clear_drain_keys() -> None:
+    """A joined cluster outlives us: forget an earlier run's drain flag and statuses."""
+    kv = _kv()
+    kv._internal_kv_del(DRAIN_FLAG)
+    kv._internal_kv_del(DRAIN_STATUS, del_by_prefix=True)
 
 
 def serve_main(config_path: str | None, host: str | None, port: int | None) -> int:
@@ -72,12 +171,16 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
         config.port = port
     settings = Settings.from_env()
     check_replicas_share_state(settings.redis_url, config)
+    check_profile(settings.database_url, settings.redis_url, config)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
 
     from engine.base_models.registry import resolve_model_dir
-    from gateway.db import upgrade_to_head
+    from gateway.db import check_at_head, upgrade_to_head
 
-    upgrade_to_head(settings.database_url)
+    if config.profile == "production":
+        check_at_head(settings.database_url)  # the deploy ran `twinkle migrate` once
+    else:
+        upgrade_to_head(settings.database_url)  # one at a time (an advisory lock)
     for m in config.models:  # build/verify model folders once, before replicas race for them
         resolve_model_dir(m.name, str(settings.data_dir), m.path)
 
@@ -116,7 +219,13 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
         )
     install_handlers()
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
+        _clear_drain_keys()
+        # One HTTP proxy, on the head, with the gateway: worker nodes only run Trainers/Samplers
+        # (and two nodes on one host would both want the port).
+        serve.start(
+            proxy_location="HeadOnly",
+            http_options={"host": config.host, "port": config.port},
+        )
         app = Gateway.options(num_replicas=config.gateway.num_replicas).bind(
             settings.model_dump(mode="json"),
             config.model_dump(mode="json"),
@@ -132,6 +241,8 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
         )
         while not stop.wait(0.5):
             pass
+        print("Twinkle draining...", flush=True)
+        _drain(config)
         print("Twinkle shutting down...", flush=True)
     finally:
         try:

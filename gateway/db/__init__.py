@@ -3,7 +3,9 @@
 Owns: SQLite connection settings (WAL, ``busy_timeout``, foreign keys, cross-thread use) so that
 ``twinkle serve`` and a concurrent ``twinkle keys create`` can share one file; running the
 migrations in ``<repo>/migrations`` without ``alembic.ini`` or a subprocess; the commit/rollback
-unit of work. The schema itself belongs to the migrations (no ``create_all`` outside tests).
+unit of work; one upgrade at a time per database (a Postgres advisory lock, a file lock for
+SQLite), and `check_at_head` for processes that must not migrate (the ``production`` profile).
+The schema itself belongs to the migrations (no ``create_all`` outside tests).
 """
 
 from __future__ import annotations
@@ -104,9 +106,34 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+#: the Postgres advisory lock key `upgrade_to_head` holds while it migrates ("twinkle" in ASCII)
+PG_MIGRATION_LOCK = 0x7477696E6B6C65
+
+
 @contextlib.contextmanager
-def _migration_lock(url: URL) -> Iterator[None]:
-    """Serialise concurrent upgrades of one SQLite file across processes (advisory file lock)."""
+def _pg_migration_lock(engine: Engine) -> Iterator[None]:
+    """Serialise concurrent upgrades of one Postgres database: a session-level advisory lock on
+    a connection of its own, held until the upgrade is over (a second deploy step waits, then
+    finds the database at head)."""
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f"SELECT pg_advisory_lock({PG_MIGRATION_LOCK})")
+        conn.commit()
+        try:
+            yield
+        finally:
+            conn.exec_driver_sql(f"SELECT pg_advisory_unlock({PG_MIGRATION_LOCK})")
+            conn.commit()
+
+
+@contextlib.contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    """Serialise concurrent upgrades of one database across processes: a Postgres advisory lock,
+    or an advisory file lock next to a SQLite file."""
+    url = engine.url
+    if url.get_backend_name() == "postgresql":
+        with _pg_migration_lock(engine):
+            yield
+        return
     db_file = _sqlite_file(url) if _is_sqlite(url) else None
     if db_file is None:
         yield
@@ -133,7 +160,7 @@ def upgrade_to_head(target: str | URL | Engine) -> None:
     owned = not isinstance(target, Engine)
     engine = make_engine(target) if owned else target
     try:
-        with _migration_lock(engine.url):
+        with _migration_lock(engine):
             if current_revision(engine) == head_revision():
                 return
             with engine.connect() as conn:
@@ -157,6 +184,26 @@ def upgrade_to_head(target: str | URL | Engine) -> None:
     finally:
         if owned:
             engine.dispose()
+
+
+def check_at_head(target: str | URL) -> str:
+    """Refuse a database that is not at the head revision (the ``production`` profile: the
+    deploy runs `twinkle migrate` once, and servers and replicas only check). Returns the
+    revision; raises ConfigError naming both revisions and the command to run."""
+    from engine.errors import ConfigError
+
+    engine = make_engine(target)
+    try:
+        current = current_revision(engine)
+    finally:
+        engine.dispose()
+    head = head_revision()
+    if current != head:
+        raise ConfigError(
+            f"the database is at revision {current or 'none (empty)'}, not at head {head}: run "
+            "`twinkle migrate` once for this deploy (profile: production never migrates on start)"
+        )
+    return current or ""
 
 
 @contextlib.contextmanager
