@@ -1,0 +1,231 @@
+"""Real components the fault tests break on purpose: a Ray head the server joins (so a test can
+`ray.kill` a Serve replica), a redis-server that can be restarted on the same port, a TCP proxy in
+front of Postgres that can be closed (Postgres "unavailable") and reopened, and a small tmpfs for
+the checkpoint folder (a full disk).
+
+Run as ``python -m tests.e2e.fault_services kill RAY_ADDRESS NAME_PART`` to `ray.kill` the one
+live Serve replica actor whose name contains NAME_PART (e.g. ``#trainer-``); it prints the name.
+A separate process, so the pytest process never becomes a Ray driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tests.services import _wait_port, free_port, redis_binary
+
+VENV_BIN = Path(sys.executable).parent
+
+
+class RayHead:
+    """``ray start --head --block`` in its own process group; `stop` ends that group only."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop)
+            prefix="twinkle-rayhead-", suffix=".log", delete=False
+        )
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        self.proc = subprocess.Popen(
+            [
+                str(VENV_BIN / "ray"),
+                "start",
+                "--head",
+                "--block",
+                f"--port={self.port}",
+                "--node-ip-address=127.0.0.1",
+                "--num-cpus=4",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+                f"--dashboard-agent-listen-port={free_port()}",
+                f"--runtime-env-agent-port={free_port()}",
+                f"--metrics-export-port={free_port()}",
+                "--object-store-memory=200000000",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        _wait_port(self.port, timeout=90)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+class RestartableRedis:
+    """A redis-server (no persistence) on a fixed free port; `restart` kills it (SIGKILL) and
+    starts a fresh one on the same port: every key is gone, every connection broken."""
+
+    def __init__(self) -> None:
+        binary = redis_binary()
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        self.binary, self.port = binary, free_port()
+        self.workdir = tempfile.mkdtemp(prefix="twinkle-redis-fault-")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+            + ["--appendonly", "no", "--dir", self.workdir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_port(self.port)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class TcpProxy:
+    """A loopback TCP proxy to ``upstream_port``. `close` stops listening and cuts every open
+    connection (clients get "connection refused" / a reset, as when the server is down); `open`
+    listens again on the same port."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port, self.port = upstream_port, free_port()
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        self.open()
+
+    def open(self) -> None:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", self.port))
+        srv.listen(128)
+        self._listener = srv
+        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:
+            srv, self._listener = self._listener, None
+            conns, self._conns = self._conns, []
+        if srv is not None:
+            with contextlib.suppress(OSError):
+                srv.shutdown(socket.SHUT_RDWR)
+            srv.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()
+
+    def _accept(self, srv: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = srv.accept()
+            except OSError:
+                return
+            try:
+                up = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+                up.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not srv:
+                    client.close()
+                    up.close()
+                    return
+                self._conns += [client, up]
+            for a, b in ((client, up), (up, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+def mount_tmpfs(path: Path, size: str) -> str | None:
+    """Mount a ``size`` tmpfs on ``path`` (created); None, or why it cannot (not root, no
+    mount permission in this container)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    return None if out.returncode == 0 else f"mount -t tmpfs failed: {out.stderr.strip()}"
+
+
+def unmount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _kill_replica(address: str, part: str) -> None:
+    import ray
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::") and part in a["name"]
+    ]
+    if len(names) != 1:
+        raise SystemExit(f"expected one replica matching {part!r}, found {names}")
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    print(names[0], flush=True)
+
+
+def kill_replica(address: str, part: str) -> tuple[str, float]:
+    """`ray.kill` the live Serve replica whose actor name contains ``part`` (in a subprocess);
+    (its name, the monotonic time of the kill)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.fault_services", "kill", address, part],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"kill failed: {out.stdout}{out.stderr[-3000:]}")
+    return out.stdout.strip().splitlines()[-1], time.monotonic()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "kill":
+        _kill_replica(sys.argv[2], sys.argv[3])
+    else:
+        raise SystemExit(__doc__)
