@@ -25,6 +25,9 @@ from pathlib import Path
 from tests.services import _wait_port, free_port, redis_binary
 
 VENV_BIN = Path(sys.executable).parent
+#: the test's own loopback-only head: Ray's token auth off, so the server and the kill helper
+#: join it with the address alone (set in their environments too)
+RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 
 
 class RayHead:
@@ -36,7 +39,7 @@ class RayHead:
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop)
             prefix="twinkle-rayhead-", suffix=".log", delete=False
         )
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **RAY_ENV)
         self.proc = subprocess.Popen(
             [
                 str(VENV_BIN / "ray"),
@@ -217,6 +220,7 @@ def kill_replica(address: str, part: str) -> tuple[str, float]:
         capture_output=True,
         text=True,
         timeout=120,
+        env=dict(os.environ, **RAY_ENV),
         cwd=Path(__file__).resolve().parents[2],
     )
     if out.returncode != 0:

@@ -32,6 +32,7 @@ from engine.backends import checkpoint_io as ckpt
 from engine.errors import CheckpointError
 from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.fault_services import (
+    RAY_ENV,
     RayHead,
     RestartableRedis,
     TcpProxy,
@@ -181,6 +182,7 @@ def fault_server(tmp_path_factory: pytest.TempPathFactory):
                 "TWINKLE_DATABASE_URL": db_url,
                 "TWINKLE_REDIS_URL": redis.url,
                 "RAY_ADDRESS": ray.address,
+                **RAY_ENV,
             }
             srv, log = start_server(data, config=config, env=env)
             try:
