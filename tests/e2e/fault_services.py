@@ -204,7 +204,9 @@ def _kill_replica(address: str, part: str) -> None:
     names = [
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::") and part in a["name"]
+        if a["namespace"] == "serve"
+        and a["name"].startswith("SERVE_REPLICA::")
+        and part in a["name"]
     ]
     if len(names) != 1:
         raise SystemExit(f"expected one replica matching {part!r}, found {names}")
