@@ -9,8 +9,6 @@ key. Pure ASGI (no BaseHTTPMiddleware), so streaming responses are untouched.
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -57,7 +55,7 @@ class BodyLimitMiddleware:
                     raise _TooLarge
             return msg
 
-        async def tracked_send(msg: dict[str, Any]) -> None:
+        async def tracked_send(msg: Message) -> None:
             nonlocal started
             if msg["type"] == "http.response.start":
                 started = True

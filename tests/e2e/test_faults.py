@@ -410,7 +410,7 @@ def test_trainer_replica_killed_mid_step_resumes_to_the_same_loss(fault_server) 
     for _ in range(2):
         step(tc, data)
     saved = tc.save_state("after-2").result().path
-    big = datums(n=16, length=400, seed=12)
+    big = datums(n=LIMIT_DATUMS, length=400, seed=12)  # a slow step: the kill lands in it
     pending = [tc.forward_backward(big, "cross_entropy"), tc.optim_step(ADAM)]
     pending += [tc.forward_backward(big, "cross_entropy"), tc.optim_step(ADAM)]
     name, t_kill = kill_replica(fs.ray.address, "#trainer-")
