@@ -3,9 +3,11 @@
 front of Postgres that can be closed (Postgres "unavailable") and reopened, and a small tmpfs for
 the checkpoint folder (a full disk).
 
-Run as ``python -m tests.e2e.fault_services kill RAY_ADDRESS NAME_PART`` to `ray.kill` the one
-live Serve replica actor whose name contains NAME_PART (e.g. ``#trainer-``); it prints the name.
-A separate process, so the pytest process never becomes a Ray driver.
+Run as ``python -m tests.e2e.fault_services kill RAY_ADDRESS NAME_PART`` to `ray.kill` a live
+Serve replica actor whose name contains NAME_PART (e.g. ``#trainer-``); it prints "ready"
+once connected, waits for a line on stdin, kills, and prints the name. A separate process, so the
+pytest process never becomes a Ray driver; connected ahead, so the kill lands within milliseconds
+of the test's cue (joining Ray takes seconds on a loaded machine).
 """
 
 from __future__ import annotations
@@ -201,6 +203,8 @@ def _kill_replica(address: str, part: str) -> None:
     import ray
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    print("ready", flush=True)
+    sys.stdin.readline()
     names = [
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
@@ -208,26 +212,39 @@ def _kill_replica(address: str, part: str) -> None:
         and a["name"].startswith("SERVE_REPLICA::")
         and part in a["name"]
     ]
-    if len(names) != 1:
-        raise SystemExit(f"expected one replica matching {part!r}, found {names}")
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-    print(names[0], flush=True)
+    if not names:
+        raise SystemExit(f"no live replica matches {part!r}")
+    name = sorted(names)[0]  # of several (gateway replicas), any one
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    print(name, flush=True)
 
 
-def kill_replica(address: str, part: str) -> tuple[str, float]:
-    """`ray.kill` the live Serve replica whose actor name contains ``part`` (in a subprocess);
-    (its name, the monotonic time of the kill)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.fault_services", "kill", address, part],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, **RAY_ENV),
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"kill failed: {out.stdout}{out.stderr[-3000:]}")
-    return out.stdout.strip().splitlines()[-1], time.monotonic()
+class ReplicaKiller:
+    """A connected kill helper for the replica matching ``part``; `kill` fires it and returns
+    (the replica's actor name, the monotonic time of the kill)."""
+
+    def __init__(self, address: str, part: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.e2e.fault_services", "kill", address, part],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, **RAY_ENV),
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"kill helper did not connect: {line} {self.proc.stderr.read()}")
+
+    def kill(self) -> tuple[str, float]:
+        out, err = self.proc.communicate("go\n", timeout=120)
+        t = time.monotonic()
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"kill failed: {out}{err[-3000:]}")
+        return out.strip().splitlines()[-1], t
 
 
 if __name__ == "__main__":

@@ -34,9 +34,9 @@ from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.fault_services import (
     RAY_ENV,
     RayHead,
+    ReplicaKiller,
     RestartableRedis,
     TcpProxy,
-    kill_replica,
     mount_tmpfs,
     unmount,
 )
@@ -154,6 +154,7 @@ class FaultServer:
         self.url = srv.url
         self.secrets: list[str] = []  # every key / JWT / signature issued, for the audit
         self.bodies: list[str] = []  # every error body seen
+        self.no_tmpfs: str | None = None  # why the checkpoint folder is not a small tmpfs
 
     def key(self, user: str) -> str:
         k = self.srv.create_key(user)
@@ -169,9 +170,7 @@ def fault_server(tmp_path_factory: pytest.TempPathFactory):
     if postgres_binaries() is None and not os.environ.get("CI"):
         pytest.skip("Postgres is not installed (scripts/install.sh installs it)")
     data = tmp_path_factory.mktemp("twinkle-faults")
-    why = mount_tmpfs(data / "checkpoints", CKPT_TMPFS)
-    if why is not None:
-        pytest.skip(f"the full-disk test needs a small tmpfs: {why}")
+    no_tmpfs = mount_tmpfs(data / "checkpoints", CKPT_TMPFS)  # None when mounted
     ray = RayHead()
     redis = RestartableRedis()
     try:
@@ -193,15 +192,17 @@ def fault_server(tmp_path_factory: pytest.TempPathFactory):
             }
             srv, log = start_server(data, config=config, env=env)
             try:
-                yield FaultServer(srv, ray, redis, proxy, db_url)
+                fs = FaultServer(srv, ray, redis, proxy, db_url)
+                fs.no_tmpfs = no_tmpfs
+                yield fs
             finally:
-                proxy.open() if proxy._listener is None else None
                 stop_server(srv, log)
                 proxy.close()
     finally:
         redis.stop()
         ray.stop()
-        unmount(data / "checkpoints")
+        if no_tmpfs is None:
+            unmount(data / "checkpoints")
 
 
 def _service(fs: FaultServer, user: str) -> tinker.ServiceClient:
@@ -255,6 +256,8 @@ def test_limits_are_4xx_naming_the_limit(fault_server) -> None:
 
 def test_full_checkpoint_disk_fails_the_save_clearly_and_keeps_serving(fault_server) -> None:
     fs = fault_server
+    if fs.no_tmpfs is not None:
+        pytest.skip(f"a full disk needs a small tmpfs on the checkpoint folder: {fs.no_tmpfs}")
     sc = _service(fs, "disk")
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=4)
     step(tc, datums())
@@ -410,16 +413,23 @@ def test_trainer_replica_killed_mid_step_resumes_to_the_same_loss(fault_server) 
     for _ in range(2):
         step(tc, data)
     saved = tc.save_state("after-2").result().path
-    big = datums(n=LIMIT_DATUMS, length=400, seed=12)  # a slow step: the kill lands in it
-    pending = [tc.forward_backward(big, "cross_entropy"), tc.optim_step(ADAM)]
-    pending += [tc.forward_backward(big, "cross_entropy"), tc.optim_step(ADAM)]
-    name, t_kill = kill_replica(fs.ray.address, "#trainer-")
-    messages = []
+    killer = ReplicaKiller(fs.ray.address, "#trainer-")
+    big = datums(n=LIMIT_DATUMS, length=400, seed=12)  # slow steps: the kill lands in them
+    pending = []
+    for _ in range(6):
+        pending += [tc.forward_backward(big, "cross_entropy"), tc.optim_step(ADAM)]
+    time.sleep(0.5)  # the first step is running
+    name, t_kill = killer.kill()
+    messages, done_before = [], 0
     for f in pending:
-        with pytest.raises(Exception) as failed:
+        try:
             f.result(timeout=FAIL_WITHIN_S + 5)
-        messages.append(str(failed.value))
+            assert not messages, "a step after a failed one succeeded"
+            done_before += 1  # finished before the kill
+        except Exception as exc:  # noqa: BLE001 - each failure's message is checked below
+            messages.append(str(exc))
     failed_in = time.monotonic() - t_kill
+    assert messages, "the kill landed after every step had finished"
     assert failed_in < FAIL_WITHIN_S, failed_in
     fs.bodies.extend(messages)
     assert all("load your last checkpoint" in m for m in messages), messages
@@ -436,7 +446,7 @@ def test_trainer_replica_killed_mid_step_resumes_to_the_same_loss(fault_server) 
     report(
         "trainer replica killed",
         restarted,
-        f"{name.split('#')[1]}: {len(pending)} pending futures failed in {failed_in:.1f}s "
+        f"{name.split('#')[1]}: {len(messages)} pending futures failed in {failed_in:.1f}s "
         f"saying to load the last checkpoint; resumed loss {losses[-1]:.5f} = "
         f"uninterrupted {ref_losses[-1]:.5f}",
     )
@@ -461,11 +471,12 @@ def test_gateway_replica_killed_while_training_run_completes(fault_server) -> No
 
     import threading
 
+    killer = ReplicaKiller(fs.ray.address, "#gateway#")
     t = threading.Thread(target=train)
     t.start()
     while not losses and t.is_alive():
         time.sleep(0.05)
-    name, t_kill = kill_replica(fs.ray.address, "#gateway#")
+    name, t_kill = killer.kill()
     t.join(timeout=180)
     done = time.monotonic() - t_kill
     assert not t.is_alive(), "training hung after the gateway replica was killed"
@@ -504,8 +515,7 @@ def test_secrets_appear_in_no_log_db_metric_body_or_trace(fault_server) -> None:
     tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=12)
     step(tc, datums())
     rc = sc.create_rest_client()
-    runs = rc.list_training_runs().result().training_runs
-    sid = next(r for r in runs if r.training_run_id == tc.model_id).session_id
+    sid = sc.holder.get_session_id()
     url = rc.export_session_trace(sid).result()
     sig = url.split("sig=", 1)[1].split("&", 1)[0]
     fs.secrets.append(sig)
