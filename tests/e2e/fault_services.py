@@ -33,9 +33,20 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 
 
 class RayHead:
-    """``ray start --head --block`` in its own process group; `stop` ends that group only."""
+    """``ray start --head --block`` in its own process group; `stop` ends that group only.
+    Ready once it logs "Ray runtime started"; a start that dies (a raylet timing out on a loaded
+    machine) is tried again, up to ``tries`` times."""
 
-    def __init__(self) -> None:
+    def __init__(self, tries: int = 3) -> None:
+        for attempt in range(tries):
+            self._start()
+            if self._wait_started():
+                return
+            self.stop()
+            if attempt == tries - 1:
+                raise RuntimeError(f"ray start --head failed: {Path(self.log.name).read_text()}")
+
+    def _start(self) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop)
@@ -63,7 +74,16 @@ class RayHead:
             env=env,
             start_new_session=True,
         )
-        _wait_port(self.port, timeout=90)
+
+    def _wait_started(self, timeout: float = 240) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "Ray runtime started" in Path(self.log.name).read_text(errors="replace"):
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.5)
+        return False
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
