@@ -44,3 +44,18 @@ class ConfigError(EngineError, ValueError):
     """The server configuration is invalid."""
 
     category = "server"
+
+
+class ReplicaLostError(EngineError, RuntimeError):
+    """The engine replica running a call died (killed, crashed, out of memory) before answering.
+    Serve starts a new one; whatever that replica held in memory (unsaved adapter state) is gone,
+    so the message tells the client to resume from its last saved checkpoint."""
+
+    category = "server"
+
+
+class StorageFullError(EngineError, OSError):
+    """A checkpoint could not be written because its disk (or quota) is full. Nothing was saved
+    (the partial directory is removed); the server keeps serving."""
+
+    category = "server"

@@ -52,6 +52,18 @@ class GatewayConfig(_Strict):
         default=False,
         description="GET /metrics needs an admin-scope API key (default: no key needed)",
     )
+    max_request_body_mb: int = Field(
+        default=64,
+        ge=1,
+        description="Largest request body accepted (MiB; the Tinker SDK sends ~5 MB chunks); "
+        "a larger one is refused with 413 before it is read",
+    )
+    max_datums_per_request: int = Field(
+        default=4096,
+        ge=1,
+        description="Most datums in one forward / forward_backward request; more fail that "
+        "request (in seq order) with a message naming this limit, before any compute",
+    )
 
 
 class ServerConfig(EngineConfig):

@@ -3,7 +3,9 @@
 `EngineClient` routes a call to the Trainer or Sampler of a base model. Two transports: Ray Serve
 deployment handles (production) and in-process engine objects (tests, a single-process server).
 Engine errors come back as the engine's own (picklable) exceptions; Ray wraps them in
-`RayTaskError`, which we unwrap here so the gateway maps one hierarchy to HTTP.
+`RayTaskError`, which we unwrap here so the gateway maps one hierarchy to HTTP. A replica that dies
+mid-call (Ray's ``RayActorError`` family) becomes `ReplicaLostError`, whose message says what the
+client should do (resume from its last checkpoint), instead of an anonymous internal error.
 
 Replicas: a role may have several replicas (``engines[base]["trainer"]`` is then a list, one
 single-replica Serve deployment each, see engine/app.py). An adapter lives in one Trainer replica,
@@ -24,7 +26,7 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.errors import EngineError
+from engine.errors import EngineError, ReplicaLostError
 from engine.protocol import trainer_route_key
 
 
@@ -96,6 +98,7 @@ class EngineClient:
                 yield item
         except Exception as exc:
             _reraise_engine_error(exc)
+            _reraise_replica_lost(exc, method)
             raise
 
     async def _call(self, target: Any, method: str, args: tuple) -> Any:
@@ -105,7 +108,24 @@ class EngineClient:
             return await getattr(target, method).remote(*args)
         except Exception as exc:
             _reraise_engine_error(exc)
+            _reraise_replica_lost(exc, method)
             raise
+
+
+#: Ray's errors for "the actor is gone or unreachable" (ray.exceptions; matched by name so the
+#: gateway imports no Ray module for it). ActorDiedError subclasses RayActorError.
+_REPLICA_LOST = {"RayActorError", "ActorDiedError", "ActorUnavailableError"}
+
+
+def _reraise_replica_lost(exc: Exception, method: str) -> None:
+    """A Ray actor-death error as `ReplicaLostError` with what to do (raises), else return."""
+    if not any(c.__name__ in _REPLICA_LOST for c in type(exc).__mro__):
+        return
+    raise ReplicaLostError(
+        f"the engine replica running {method} stopped before answering (it is being restarted); "
+        "state it held in memory since your last save is lost: load your last checkpoint "
+        "(create_training_client_from_state / load_state) and resubmit from there"
+    ) from None
 
 
 def _reraise_engine_error(exc: Exception) -> None:

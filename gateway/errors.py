@@ -8,7 +8,10 @@ Owns: `GatewayError` and subclasses (class attributes ``status_code`` / ``code``
 
 Gateway errors, engine errors (``engine.errors.EngineError``), request validation errors (400 naming
 each field, never an empty body: the Tinker SDK retries empty 400s as a proxy rejection), Starlette
-HTTP errors, and unhandled exceptions (500, logged, no internals in the body). 4xx answers other
+HTTP errors, the database being unreachable (503 + ``retry-after``: a restart or failover is a
+retryable outage, not a server bug), and unhandled exceptions (500, logged, no internals in the
+body). An engine replica lost mid-call is a 503 and a full checkpoint disk a 507, each with its
+engine message (what to do). 4xx answers other
 than 408/429 carry ``x-should-retry: false`` so the SDK does not retry them.
 """
 
@@ -23,13 +26,17 @@ from typing import Any, ClassVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import AdapterNotFoundError, EngineError
+from engine.errors import AdapterNotFoundError, EngineError, ReplicaLostError, StorageFullError
 
 log = logging.getLogger(__name__)
 
 INTERNAL_MESSAGE = "internal server error"
+#: what a client is told while the database is unreachable; retry-after is a guess at a restart
+DB_UNAVAILABLE_MESSAGE = "the database is unavailable (restarting or unreachable); retry shortly"
+DB_RETRY_AFTER_S = 5
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -227,8 +234,32 @@ async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, AdapterNotFoundError):
             return error_response(request, 404, "not_found", str(exc))
         return error_response(request, 400, "invalid_request", str(exc))
+    if isinstance(exc, ReplicaLostError):
+        log.warning("engine replica lost on %s %s", request.method, request.url.path)
+        return error_response(request, 503, "unavailable", str(exc), {"retry-after": "10"})
+    if isinstance(exc, StorageFullError):
+        log.error("checkpoint storage full on %s %s", request.method, request.url.path)
+        return error_response(request, 507, "storage_full", str(exc))
     log.error("engine error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(request, 500, "internal", INTERNAL_MESSAGE)
+
+
+def is_db_unavailable(exc: BaseException) -> bool:
+    """A DB error that means "cannot reach the database" (connect refused, connection dropped
+    mid-query), not a bad statement."""
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
+async def _db_error(request: Request, exc: Exception) -> JSONResponse:
+    if not is_db_unavailable(exc):
+        return await _unhandled_error(request, exc)
+    log.warning(  # the type only: a statement's text and parameters stay out of the log
+        "database unavailable on %s %s (%s)", request.method, request.url.path, type(exc).__name__
+    )
+    headers = {"retry-after": str(DB_RETRY_AFTER_S)}
+    return error_response(request, 503, "unavailable", DB_UNAVAILABLE_MESSAGE, headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -258,4 +289,5 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineError, _engine_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(DBAPIError, _db_error)
     app.add_exception_handler(Exception, _unhandled_error)

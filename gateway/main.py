@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from gateway import admin_api, openai_api, twinkle_api
 from gateway.accounts.jwt import build_jwt
 from gateway.accounts.usage import UsageLedger
+from gateway.body_limit import BodyLimitMiddleware
 from gateway.config import ServerConfig, effective_redis_url
 from gateway.db import make_engine
 from gateway.engine_client import EngineClient
@@ -130,6 +131,9 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
         lambda: app.state.futures.pending_count() if hasattr(app.state, "futures") else 0,
     )
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.gateway.max_request_body_mb * 1024 * 1024
+    )
     # Metrics are added last, so outermost: they see the status of replays and rendered errors.
     app.state.metrics = None
     if config.gateway.metrics_enabled:

@@ -2,13 +2,15 @@
 
 Owns the on-disk layout next to the PEFT files (``twinkle_state.json``, ``optimizer.pt``,
 ``manifest.json`` with each file's sha256 and size), writing a directory atomically (temp dir, then
-rename), verifying a manifest before anything is read, and mapping optimizer state between
+rename; a full disk is a `StorageFullError` naming the folder, the partial directory removed),
+verifying a manifest before anything is read, and mapping optimizer state between
 parameter indices (torch) and PEFT parameter names (on disk), so a checkpoint does not depend on
 the order parameters happen to have in memory.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.backends.age_seal import Sealer, plain
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, StorageFullError
 from engine.protocol import LoraSpec
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the torch-free mock backend can
@@ -47,14 +49,26 @@ def write_checkpoint_dir(target: Path, fill: Callable[[Path], None]) -> int:
     if target.exists():
         raise CheckpointError(f"checkpoint directory {target} already exists")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        fill(tmp)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as e:
+        _raise_if_full(e, target)
+        raise
+    try:
+        try:
+            fill(tmp)
+        except Exception as e:  # noqa: BLE001 - safetensors / torch wrap ENOSPC in their own types
+            _raise_if_full(e, target)
+            raise
         files = {
             p.name: {"sha256": sha256(p), "size": p.stat().st_size} for p in sorted(tmp.iterdir())
         }
         manifest = {"format": CHECKPOINT_FORMAT, "files": files}
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        try:
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        except OSError as e:
+            _raise_if_full(e, target)
+            raise
         total = sum(p.stat().st_size for p in tmp.iterdir())
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; samplers may run as another user
         try:
@@ -65,6 +79,23 @@ def write_checkpoint_dir(target: Path, fill: Callable[[Path], None]) -> int:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _raise_if_full(exc: BaseException, target: Path) -> None:
+    """``exc`` as a `StorageFullError` when it means "no space left" (an OSError's errno, or the
+    text safetensors' and torch's own errors carry: "os error 28"); else return."""
+    text = str(exc)
+    if (isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS) or (
+        "No space left on device" in text or "os error 28" in text or "Disk quota" in text
+    ):
+        raise StorageFullError(
+            f"checkpoint storage is full: no space left on the disk of {target.parent} while "
+            "writing this checkpoint; nothing was saved. Delete checkpoints you no longer need "
+            "(or ask the operator for space) and save again"
+        ) from None
 
 
 def write_state(

@@ -60,7 +60,11 @@ class AdapterPool:
             if self.backend.has_adapter(adapter_id):  # created outside the pool
                 self.added(adapter_id)
                 return
-            raise AdapterNotFoundError(f"model_id: adapter {adapter_id!r} is not loaded")
+            raise AdapterNotFoundError(  # e.g. its Trainer replica restarted (state in memory)
+                f"model_id: adapter {adapter_id!r} is not loaded (its Trainer replica may have "
+                "restarted): load your last checkpoint (create_training_client_from_state / "
+                "load_state) and resubmit from there"
+            )
         self._make_room(keep=adapter_id, incoming=1)
         self.backend.load_state(adapter_id, str(path), include_optimizer=True)
         del self._offloaded[adapter_id]

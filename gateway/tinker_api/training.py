@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from engine.protocol import CUSTOM_LOSS_FN, AdamParams, LoraSpec
 from gateway.db.tables import TrainingRunRow
 from gateway.deps import owned_run, owned_session
-from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
 from gateway.futures.store import fingerprint
 from gateway.images import check_images
 from gateway.runs.checkpoints import readable_checkpoint
@@ -201,6 +201,12 @@ async def forward_backward(request: Request, t: TinkerDep) -> dict:
     async def prepare() -> Run:
         if inp is None:  # undecodable data: fails in order (decode's message)
             raise InvalidRequestError(error or "forward_backward_input: missing")
+        cap = t.config.gateway.max_datums_per_request
+        if len(inp.data) > cap:  # before any token is counted, charged or computed
+            raise PayloadTooLargeError(
+                f"forward_backward_input.data: {len(inp.data)} datums, over this server's limit "
+                f"of {cap} per request (gateway.max_datums_per_request); split the batch"
+            )
         model_cfg = t.config.model(run.base_model)
         if model_cfg is not None:  # 413 over the image caps, in order like any bad input
             check_images(
