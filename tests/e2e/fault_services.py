@@ -53,6 +53,9 @@ class RayHead:
             prefix="twinkle-rayhead-", suffix=".log", delete=False
         )
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **RAY_ENV)
+        # A private, short temp dir (unix sockets: 107 bytes): with the default, `ray start` records
+        # this cluster in /tmp/ray/ray_current_cluster and later bare ray.init() calls join it dead.
+        self.temp_dir = tempfile.mkdtemp(prefix="twinkle-rayf.", dir="/tmp")
         self.proc = subprocess.Popen(
             [
                 str(VENV_BIN / "ray"),
@@ -68,6 +71,7 @@ class RayHead:
                 f"--runtime-env-agent-port={free_port()}",
                 f"--metrics-export-port={free_port()}",
                 "--object-store-memory=200000000",
+                f"--temp-dir={self.temp_dir}",
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -94,6 +98,7 @@ class RayHead:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 class RestartableRedis:
@@ -236,7 +241,9 @@ def _kill_replica(address: str, part: str) -> None:
         raise SystemExit(f"no live replica matches {part!r}")
     name = sorted(names)[0]  # of several (gateway replicas), any one
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    print(name, flush=True)
+    # The moment of the kill, before this process's own Ray shutdown (seconds): the parent's
+    # timings start here, not when this helper has exited.
+    print(f"{name} {time.time():.6f}", flush=True)
 
 
 class ReplicaKiller:
@@ -261,10 +268,11 @@ class ReplicaKiller:
 
     def kill(self) -> tuple[str, float]:
         out, err = self.proc.communicate("go\n", timeout=120)
-        t = time.monotonic()
         if self.proc.returncode != 0:
             raise RuntimeError(f"kill failed: {out}{err[-3000:]}")
-        return out.strip().splitlines()[-1], t
+        name, killed_at = out.strip().splitlines()[-1].rsplit(" ", 1)
+        # the helper's wall-clock kill time on this process's monotonic clock
+        return name, time.monotonic() - (time.time() - float(killed_at))
 
 
 if __name__ == "__main__":
