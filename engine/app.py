@@ -8,6 +8,8 @@ requests that wait for their seq_id turn (they cost no compute while waiting). W
 dir's target folder (engine/telemetry/exporter.py), which `engine_apps` clears first. A
 replica's ``resources`` pin it to the nodes of a multi-node cluster that offer them; when that node
 dies, Serve keeps the replica pending and places it again once a node with the resource joins.
+Every replica is given the checkpoint storage's id and refuses to start on a node that does not
+reach that storage (engine/storage.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ray.serve.deployment import Application
 
 from engine.config import EngineConfig, EngineMetricsConfig, ModelConfig, ReplicaConfig
 from engine.sampler import Sampler
+from engine.storage import SharedDirStorage
 from engine.telemetry.exporter import clear_targets
 from engine.trainer import Trainer
 
@@ -55,6 +58,7 @@ def trainer_app(
     gap_timeout: float,
     i: int = 0,
     metrics: EngineMetricsConfig | None = None,
+    storage_id: str | None = None,
 ) -> Application:
     name = _replica_name("trainer", model, i)
     return serve.deployment(
@@ -64,12 +68,20 @@ def trainer_app(
         max_ongoing_requests=MAX_ONGOING,
         ray_actor_options=actor_options(model.trainer),
     ).bind(
-        model.model_dump(), data_dir, gap_timeout=gap_timeout, telemetry=_telemetry(metrics, name)
+        model.model_dump(),
+        data_dir,
+        gap_timeout=gap_timeout,
+        telemetry=_telemetry(metrics, name),
+        storage_id=storage_id,
     )
 
 
 def sampler_app(
-    model: ModelConfig, data_dir: str, i: int = 0, metrics: EngineMetricsConfig | None = None
+    model: ModelConfig,
+    data_dir: str,
+    i: int = 0,
+    metrics: EngineMetricsConfig | None = None,
+    storage_id: str | None = None,
 ) -> Application:
     name = _replica_name("sampler", model, i)
     return serve.deployment(
@@ -78,7 +90,7 @@ def sampler_app(
         num_replicas=1,
         max_ongoing_requests=MAX_ONGOING,
         ray_actor_options=actor_options(model.sampler),
-    ).bind(model.model_dump(), data_dir, telemetry=_telemetry(metrics, name))
+    ).bind(model.model_dump(), data_dir, telemetry=_telemetry(metrics, name), storage_id=storage_id)
 
 
 def check_models(config: EngineConfig, data_dir: str) -> None:
@@ -101,13 +113,17 @@ def engine_apps(config: EngineConfig, data_dir: str) -> dict[str, dict[str, list
     check_models(config, data_dir)
     em = config.engine_metrics
     clear_targets(data_dir)  # targets of an earlier run's replicas (a crash leaves them behind)
+    # every replica checks, on its node, that it reaches this storage (engine/storage.py)
+    sid = SharedDirStorage(data_dir).ensure_id()
+    gap = config.seq_gap_timeout_seconds
     return {
         m.name: {
             "trainer": [
-                trainer_app(m, data_dir, config.seq_gap_timeout_seconds, i, em)
-                for i in range(m.trainer.num_replicas)
+                trainer_app(m, data_dir, gap, i, em, sid) for i in range(m.trainer.num_replicas)
             ],
-            "sampler": [sampler_app(m, data_dir, i, em) for i in range(m.sampler.num_replicas)],
+            "sampler": [
+                sampler_app(m, data_dir, i, em, sid) for i in range(m.sampler.num_replicas)
+            ],
         }
         for m in config.models
     }

@@ -59,3 +59,10 @@ class StorageFullError(EngineError, OSError):
     (the partial directory is removed); the server keeps serving."""
 
     category = "server"
+
+
+class StorageUnreachableError(EngineError, OSError):
+    """This replica's node does not reach the checkpoint storage the server wrote (a multi-node
+    cluster whose data dir is not the same shared directory on every node)."""
+
+    category = "server"

@@ -20,11 +20,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 
 from engine.backends.base import SamplingBackend, TokenListener
 from engine.backends.registry import build_sampling_backend
 from engine.config import ModelConfig
 from engine.protocol import SampleDelta, SampleInput, SampleOutput
+from engine.storage import SharedDirStorage
 from engine.telemetry.exporter import export_replica_metrics
 from engine.telemetry.metrics import ReplicaMetrics, State, measured
 
@@ -54,9 +56,14 @@ class Sampler:
         backend: SamplingBackend | None = None,
         max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS,
         telemetry: dict | None = None,
+        storage_id: str | None = None,
     ) -> None:
-        """``telemetry``: record Prometheus metrics, as for `engine.trainer.Trainer`."""
+        """``telemetry``: record Prometheus metrics; ``storage_id``: refuse to start on a node
+        that does not reach the checkpoint storage; both as for `engine.trainer.Trainer`."""
         self.model = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
+        self.storage = SharedDirStorage(data_dir)
+        if storage_id is not None:
+            self.storage.check(storage_id)
         self.max_batch_rows = max(1, int(max_batch_rows))
         self._queue: deque[Item] = deque()
         self._cond = threading.Condition()
@@ -110,6 +117,10 @@ class Sampler:
 
     def _submit(self, inp: SampleInput, listener: Listener | None = None) -> Future:
         fut: Future = Future()
+        if inp.adapter_dir is not None:  # a node-local copy where the storage is remote
+            local = str(self.storage.readable(inp.adapter_dir))
+            if local != inp.adapter_dir:
+                inp = replace(inp, adapter_dir=local)
         with self._cond:
             if self._closed:
                 raise RuntimeError("Sampler is closed")

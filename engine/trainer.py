@@ -37,6 +37,7 @@ from engine.scheduling.exactly_once import OnceCache
 from engine.scheduling.fair import FIXED_COST, FairScheduler
 from engine.scheduling.sequencer import Sequencer
 from engine.scheduling.slicing import merge_outputs, slice_input
+from engine.storage import SharedDirStorage
 from engine.telemetry.exporter import export_replica_metrics
 from engine.telemetry.metrics import ReplicaMetrics, State, measured
 
@@ -55,10 +56,16 @@ class Trainer:
         gap_timeout: float = 120.0,
         backend: TrainingBackend | None = None,
         telemetry: dict | None = None,
+        storage_id: str | None = None,
     ) -> None:
         """``telemetry``: record Prometheus metrics (engine/telemetry/): ``{"replica": name,
-        "host": address to serve them on, "export": False to only record}``; None: none."""
+        "host": address to serve them on, "export": False to only record}``; None: none.
+        ``storage_id``: the checkpoint storage's id the driver wrote (engine/storage.py); this
+        replica refuses to start on a node that does not reach that storage."""
         self.model = model if isinstance(model, ModelConfig) else ModelConfig.model_validate(model)
+        self.storage = SharedDirStorage(data_dir)
+        if storage_id is not None:
+            self.storage.check(storage_id)  # before the minutes of loading a base model
         self.backend = backend or build_training_backend(self.model, data_dir)
         offload = Path(data_dir) / "offload" / f"trainer-{os.getpid()}"
         self.pool = AdapterPool(self.backend, self.model.max_loaded_adapters, offload)
@@ -235,7 +242,9 @@ class Trainer:
 
             def load_new() -> LoraSpec:
                 spec = self.backend.load_state(
-                    model_id, directory, include_optimizer=include_optimizer
+                    model_id,
+                    str(self.storage.readable(directory)),
+                    include_optimizer=include_optimizer,
                 )
                 self.pool.added(model_id)
                 return spec
@@ -250,7 +259,9 @@ class Trainer:
                 model_id,
                 FIXED_COST,
                 lambda: self.backend.load_state(
-                    model_id, directory, include_optimizer=include_optimizer
+                    model_id,
+                    str(self.storage.readable(directory)),
+                    include_optimizer=include_optimizer,
                 ),
                 "load_state",
             )
@@ -326,13 +337,19 @@ class Trainer:
             return await self._compute(
                 model_id,
                 FIXED_COST,
-                lambda: self.backend.save_state(
-                    model_id,
-                    directory,
-                    include_optimizer=include_optimizer,
-                    age_recipients=age_recipients,
-                ),
+                lambda: self._write(model_id, directory, include_optimizer, age_recipients),
                 "save",
+            )
+
+    def _write(
+        self, model_id: str, directory: str, include_optimizer: bool, age_recipients: Sequence[str]
+    ) -> int:
+        with self.storage.writable(directory) as local:
+            return self.backend.save_state(
+                model_id,
+                str(local),
+                include_optimizer=include_optimizer,
+                age_recipients=age_recipients,
             )
 
     async def adapter_grad(self, model_id: str, seq_id: int, op: GradOp) -> float | None:
