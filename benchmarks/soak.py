@@ -24,7 +24,10 @@ Reports:
   and Jain's index, 1.0 = equal);
 * RSS of the gateway, the Trainer and the Sampler replicas and the `twinkle serve` driver, at the
   start (all tenants running) and at the end, and the largest seen;
-* errors by category; whether the server still answers healthz afterwards.
+* errors by category; whether the server still answers healthz afterwards;
+* secrets: every API key used (the tenants' and the admin's) searched for, byte for byte, in the
+  server's log, /metrics, every file of its data dir (the SQLite DB and its WAL, traces, checkpoint
+  files) and its Ray session's log files; any hit is a leak and fails the run.
 """
 
 from __future__ import annotations
@@ -137,6 +140,50 @@ class RssSampler(threading.Thread):
         return self.samples
 
 
+def ray_session_dir(root: int) -> Path | None:
+    """The Ray session directory of the server's private cluster (from its raylet's command
+    line), whose logs/ the secrets scan reads."""
+    for pid in descendants(root):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for arg in args:
+            if arg.startswith("--session_dir=") or arg.startswith("--session-dir="):
+                return Path(arg.split("=", 1)[1])
+    return None
+
+
+def secret_places(work: Path, metrics: bytes, session_dir: Path | None) -> dict[str, bytes]:
+    """Everything the server wrote that a secret must not be in, by name: serve.log, /metrics,
+    each data-dir file, each Ray log file."""
+    places = {
+        "serve.log": (work / "serve.log").read_bytes(),
+        "/metrics": metrics,
+    }
+    roots = [("data", work / "data")]
+    if session_dir is not None:
+        roots.append(("ray", session_dir / "logs"))
+    for label, root in roots:
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and not p.is_symlink():
+                try:
+                    places[f"{label}/{p.relative_to(root)}"] = p.read_bytes()
+                except OSError:  # a Ray log rotated away or a socket
+                    continue
+    return places
+
+
+def secret_leaks(secrets: list[str], places: dict[str, bytes]) -> list[tuple[str, str]]:
+    """(place, the secret's first 10 characters) for every secret found verbatim anywhere."""
+    return [
+        (where, s[:10] + "…")
+        for s in secrets
+        for where, data in places.items()
+        if s.encode() in data
+    ]
+
+
 def server_traces(data_dir: Path, sessions: list[str]) -> dict[str, dict]:
     """Per session: rows by kind, rows by status, and request ids seen more than once."""
     db = sqlite3.connect(data_dir / "twinkle.db")
@@ -170,8 +217,9 @@ def vanished_requests(data_dir: Path, user_ids: list[int]) -> dict[str, int]:
 # ----------------------------------------------------------------------------------- clients
 
 
-def make_keys(url: str, env: dict, n: int) -> list[tuple[str, int]]:
-    """``n`` users with one key each, through the admin API: (key, user id)."""
+def make_keys(url: str, env: dict, n: int) -> tuple[str, list[tuple[str, int]]]:
+    """An admin key, and ``n`` users with one key each made through the admin API: (key, user
+    id)."""
     admin = subprocess.run(
         [TWINKLE, "keys", "create", "--user", "soak-admin", "--admin"],
         env=env,
@@ -187,7 +235,7 @@ def make_keys(url: str, env: dict, n: int) -> list[tuple[str, int]]:
             key = http.post("/api/v1/admin/keys", json={"user_id": user.json()["id"]})
             key.raise_for_status()
             keys.append((key.json()["key"], user.json()["id"]))
-    return keys
+    return admin, keys
 
 
 def _worker(spec: dict, work: Path, tag: str, env: dict) -> tuple[subprocess.Popen, Path]:
@@ -321,6 +369,12 @@ def report(books: list[dict], traces: dict, rss: list[dict], seconds: float, ext
         errors.update({f"{b['role']}: {k}": v for k, v in b["failed"].items()})
     print("\nerrors by category:", dict(errors) or "none")
     print("server healthy afterwards:", extra["healthy"])
+    checked = extra.get("secrets_checked", {})
+    print(
+        f"secrets: {checked.get('secrets')} API keys searched in {checked.get('places')} places "
+        f"(serve.log, /metrics, data-dir files incl. the DB, Ray logs): "
+        f"{extra.get('secret_leaks') or 'none found'}"
+    )
     return {
         "tenants": len(books),
         "seconds": seconds,
@@ -364,7 +418,7 @@ def main() -> int:
     print(f"[soak] starting twinkle serve (work dir {work}) ...", file=sys.stderr, flush=True)
     proc, url, env, ready = start_server_config(work / "config.yaml", work)
     try:
-        keys = make_keys(url, env, a.tenants)
+        admin, keys = make_keys(url, env, a.tenants)
         roles = roles_for(a.tenants)
         tenants = [{"tenant": i, "role": r, "key": keys[i][0]} for i, r in enumerate(roles)]
         steady = [t for t in tenants if t["role"] != "vanish"]
@@ -410,12 +464,18 @@ def main() -> int:
         gone = [keys[i][1] for i, r in enumerate(roles) if r == "vanish"]
         extra["vanished_requests"] = vanished_requests(work / "data", gone)
         extra["healthy"] = httpx.get(f"{url}/api/v1/healthz", timeout=10).status_code == 200
+        # with the admin key: /metrics may be admin-only (gateway.metrics_require_admin)
+        metrics = httpx.get(f"{url}/metrics", headers={"X-API-Key": admin}, timeout=30).content
+        places = secret_places(work, metrics, ray_session_dir(proc.pid))
+        secrets = [k for k, _ in keys] + [admin]
+        extra["secret_leaks"] = secret_leaks(secrets, places)
+        extra["secrets_checked"] = {"secrets": len(secrets), "places": len(places)}
         result = report(books, traces, rss, a.seconds, extra)
     finally:
         stop_server(proc)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2, default=str))
-    bad = result["lost"] or result["duplicated"] or result["repeated_ids"]
+    bad = result["lost"] or result["duplicated"] or result["repeated_ids"] or result["secret_leaks"]
     return 1 if bad or result["retries_other_future"] or not result["healthy"] else 0
 
 

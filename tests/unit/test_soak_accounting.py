@@ -71,3 +71,48 @@ def test_report_counts_what_the_client_never_saw_resolve(capsys):
 def test_fairness_index():
     assert soak.jain([5.0, 5.0, 5.0]) == pytest.approx(1.0)
     assert soak.jain([10.0, 0.0]) == pytest.approx(0.5)
+
+
+def test_secret_scan_finds_a_key_in_any_file_the_server_wrote(tmp_path):
+    (tmp_path / "serve.log").write_text("started\n")
+    data = tmp_path / "data" / "exports" / "traces"
+    data.mkdir(parents=True)
+    (data / "t.json").write_text('{"ok": 1}')
+    session = tmp_path / "session"
+    (session / "logs").mkdir(parents=True)
+    (session / "logs" / "worker.err").write_bytes(b"\x00binary\x00")
+
+    def places():
+        return soak.secret_places(tmp_path, b"# metrics\n", session)
+
+    keys = ["tml-" + "a" * 40, "tml-" + "b" * 40]
+    assert soak.secret_leaks(keys, places()) == []
+    assert {"serve.log", "/metrics", "data/exports/traces/t.json", "ray/worker.err"} == set(
+        places()
+    )
+    (session / "logs" / "worker.err").write_bytes(b"\x00auth " + keys[1].encode() + b"\x00")
+    assert soak.secret_leaks(keys, places()) == [("ray/worker.err", keys[1][:10] + "…")]
+
+
+def test_ray_session_dir_comes_from_a_raylet_command_line(tmp_path):
+    import subprocess
+    import sys as _sys
+
+    child = subprocess.Popen(
+        [_sys.executable, "-c", "import time; time.sleep(30)", f"--session_dir={tmp_path}"]
+    )
+    try:
+        import os
+
+        found = None
+        for _ in range(50):  # the child's cmdline is readable once it has exec'd
+            found = soak.ray_session_dir(os.getpid())
+            if found is not None:
+                break
+            import time
+
+            time.sleep(0.1)
+        assert found == tmp_path
+    finally:
+        child.kill()
+        child.wait()
