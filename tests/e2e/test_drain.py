@@ -28,6 +28,17 @@ def _pending(url: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _accepted_steps(url: str) -> float:
+    """forward_backward requests the server has answered 200 (accepted as futures)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    pat = (
+        r'^twinkle_http_requests_total\{[^}]*route="/api/v1/forward_backward"'
+        r'[^}]*status="200"[^}]*\} (\S+)$'
+    )
+    m = re.search(pat, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_sigterm_drains_in_flight_work_and_exits_0(tmp_path):
     config = tmp_path / "server.yaml"
     config.write_text("drain_timeout_seconds: 120\ndrain_retry_after_seconds: 7\n")
@@ -49,7 +60,9 @@ def test_sigterm_drains_in_flight_work_and_exits_0(tmp_path):
         ]
         futures = [tc.forward_backward(data, "cross_entropy") for _ in range(STEPS)]
         deadline = time.monotonic() + 30
-        while _pending(srv.url) < 1:  # the server holds them: they are in flight
+        # SIGTERM only once the server has accepted every step: the SDK submits them in the
+        # background, and one submitted after the signal is (rightly) refused with 503
+        while _accepted_steps(srv.url) < STEPS or _pending(srv.url) < 1:
             assert time.monotonic() < deadline, "forward_backward never reached the server"
             time.sleep(0.05)
 
