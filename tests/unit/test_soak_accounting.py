@@ -102,11 +102,10 @@ def test_ray_session_dir_comes_from_a_raylet_command_line(tmp_path):
         [_sys.executable, "-c", "import time; time.sleep(30)", f"--session_dir={tmp_path}"]
     )
     try:
-        import os
-
         found = None
         for _ in range(50):  # the child's cmdline is readable once it has exec'd
-            found = soak.ray_session_dir(os.getpid())
+            # the child as root: this pytest process may have a real Ray cluster below it
+            found = soak.ray_session_dir(child.pid)
             if found is not None:
                 break
             import time
