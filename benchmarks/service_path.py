@@ -32,6 +32,7 @@ endpoint scraped every ``--scrape-seconds``, default 1 s: 15x Prometheus' defaul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -114,29 +115,35 @@ def summarize(times: list[float], tokens: int) -> Side:
 # ----------------------------------------------------------------------------------- bare loop
 
 
-def bare(path: Path, data: list[np.ndarray], warmup: int) -> list[float]:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+class Bare:
+    """The bare loop's model and optimizer, built once, trained block after block."""
 
-    torch.set_num_threads(cores())
-    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0)
-    model = get_peft_model(base, cfg).train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    times = []
-    for i, seq in enumerate(data):
-        t0 = time.perf_counter()
-        ids, tgt = torch.from_numpy(seq[:, :-1]), torch.from_numpy(seq[:, 1:])
-        logits = model(input_ids=ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum"
-        )
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+    def __init__(self, path: Path) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(cores())
+        base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0)
+        self.model = get_peft_model(base, cfg).train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=LR)
+
+    def steps(self, data: list[np.ndarray], warmup: int) -> list[float]:
+        times = []
+        for i, seq in enumerate(data):
+            t0 = time.perf_counter()
+            ids, tgt = torch.from_numpy(seq[:, :-1]), torch.from_numpy(seq[:, 1:])
+            logits = self.model(input_ids=ids, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum"
+            )
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return times
 
 
 # ----------------------------------------------------------------------------------- service
@@ -217,6 +224,7 @@ class Scraper:
         self.url, self.targets, self.period = url, data_dir / "metrics" / "targets", period
         self.scrapes = 0
         self._stop = threading.Event()
+        self._paused = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -227,6 +235,8 @@ class Scraper:
         # scrape costs ~25 ms of this process's CPU, which on 2 cores slowed the run by 20%
         with httpx.Client(timeout=10) as client:
             while not self._stop.wait(self.period):
+                if self._paused.is_set():
+                    continue
                 urls = [f"{self.url}/metrics"] + [
                     f"http://{t}/metrics"
                     for f in self.targets.glob("*.json")
@@ -235,6 +245,10 @@ class Scraper:
                 for u in urls:
                     client.get(u).raise_for_status()
                     self.scrapes += 1
+
+    def pause(self, paused: bool) -> None:
+        """While the server is paused for a bare block, scrape nothing."""
+        (self._paused.set if paused else self._paused.clear)()
 
     def stop(self) -> int:
         self._stop.set()
@@ -258,14 +272,37 @@ def gateway_seconds(url: str) -> dict[str, float]:
     return out
 
 
-def service(
-    name: str, url: str, key: str, data: list[np.ndarray], warmup: int
-) -> tuple[list[float], float, dict[str, float]]:
-    """(step times, time to first step, gateway seconds per route over the timed steps)."""
-    import tinker
-    from tinker import types
+def pause(proc: subprocess.Popen, stop: bool) -> None:
+    """SIGSTOP (``stop``) or SIGCONT every process of the server's session (the CLI, Ray's GCS,
+    raylet and workers: each worker has its own process group, but all share the session
+    `start_server` opened), so a bare block runs on quiet cores, as a bare loop would."""
+    sig = signal.SIGSTOP if stop else signal.SIGCONT
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(pid)) == proc.pid:
+                    os.kill(int(pid), sig)
 
-    def datums(seq: np.ndarray) -> list:
+
+class Service:
+    """One tenant of the unmodified Tinker SDK against ``url``, trained block after block."""
+
+    def __init__(self, name: str, url: str, key: str) -> None:
+        import tinker
+        from tinker import types
+
+        self.types, self.url = types, url
+        t0 = time.perf_counter()
+        self.sc = tinker.ServiceClient(base_url=url, api_key=key)
+        tc = self.sc.create_lora_training_client(base_model=name, rank=RANK)
+        self.tc = tc.result() if hasattr(tc, "result") else tc
+        self.adam = types.AdamParams(learning_rate=LR)
+        self.created_s = time.perf_counter() - t0
+        self.first_step_s: float | None = None
+        self.routes: dict[str, float] = {}
+
+    def _datums(self, seq: np.ndarray) -> list:
+        types = self.types
         return [
             types.Datum(
                 model_input=types.ModelInput.from_ints(row[:-1].tolist()),
@@ -274,34 +311,32 @@ def service(
             for row in seq
         ]
 
-    t0 = time.perf_counter()
-    sc = tinker.ServiceClient(base_url=url, api_key=key)
-    tc = sc.create_lora_training_client(base_model=name, rank=RANK)
-    tc = tc.result() if hasattr(tc, "result") else tc
-    adam = types.AdamParams(learning_rate=LR)
-    times: list[float] = []
-    first = 0.0
-    before: dict[str, float] = {}
-    for i, seq in enumerate(data):
-        if i == warmup:
-            before = gateway_seconds(url)
-        s0 = time.perf_counter()
-        fb = tc.forward_backward(datums(seq), "cross_entropy")
-        opt = tc.optim_step(adam)
-        fb.result()
-        opt.result()
-        if i == 0:
-            first = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(time.perf_counter() - s0)
-    after = gateway_seconds(url)
-    sc.close("success").result()
-    routes = {
-        k: v - before.get(k, 0.0)
-        for k, v in after.items()
-        if v - before.get(k, 0.0) > 0 and not k.startswith("/metrics")
-    }
-    return times, first, routes
+    def steps(self, data: list[np.ndarray], warmup: int) -> list[float]:
+        """Step times after ``warmup``; adds the gateway's seconds per route over the timed
+        steps to ``routes``."""
+        times: list[float] = []
+        before: dict[str, float] = {}
+        for i, seq in enumerate(data):
+            if i == warmup:
+                before = gateway_seconds(self.url)
+            s0 = time.perf_counter()
+            fb = self.tc.forward_backward(self._datums(seq), "cross_entropy")
+            opt = self.tc.optim_step(self.adam)
+            fb.result()
+            opt.result()
+            if self.first_step_s is None:
+                self.first_step_s = self.created_s + time.perf_counter() - s0
+            if i >= warmup:
+                times.append(time.perf_counter() - s0)
+        after = gateway_seconds(self.url)
+        for k, v in after.items():
+            d = v - before.get(k, 0.0)
+            if d > 0 and not k.startswith("/metrics"):
+                self.routes[k] = self.routes.get(k, 0.0) + d
+        return times
+
+    def close(self) -> None:
+        self.sc.close("success").result()
 
 
 # ----------------------------------------------------------------------------------- runner
@@ -313,8 +348,12 @@ def run(
     warmup: int,
     variants: list[tuple[int | None, bool]],
     scrape_s: float = 1.0,
+    rounds: int = 3,
 ) -> list[dict]:
-    """Bare loop once, then the service once per (Trainer threads, metrics on) in ``variants``."""
+    """Per (Trainer threads, metrics on) in ``variants``: one server, then ``rounds`` rounds of
+    a bare block (the server paused) and a service block of ``steps`` timed steps each. This
+    machine's speed drifts by tens of percent within minutes (a shared VM), so the ratio is
+    taken per round, from blocks seconds apart, and the median round is reported."""
     work = Path(tempfile.mkdtemp(prefix=f"svc-{name}-"))
     rows = []
     try:
@@ -322,11 +361,13 @@ def run(
         vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size"))
         b, t = SHAPE[name]
         data = batches(vocab, b, t, steps + warmup)
-        bare_s = summarize(bare(path, data, warmup), b * t)
-        bare_step = b * t / bare_s.tokens_per_s
+        bare_loop = Bare(path)
         for threads, metrics in variants:
             proc, url, env, ready = start_server(path, served, work, threads, metrics)
             scraper = Scraper(url, work / "data", scrape_s) if metrics else None
+            bare_t: list[float] = []
+            svc_t: list[float] = []
+            per_round: list[float] = []
             try:
                 key = subprocess.run(
                     [TWINKLE, "keys", "create", "--user", "bench"],
@@ -335,12 +376,31 @@ def run(
                     text=True,
                     check=True,
                 ).stdout.split()[-1]
-                times, first, routes = service(served, url, key, data, warmup)
+                svc_loop = Service(served, url, key)
+                for r in range(rounds):
+                    # the first round warms up longer (first calls compile kernels, fill caches)
+                    w = warmup if r == 0 else 1
+                    block = data if r == 0 else data[warmup - 1 :]
+                    if scraper:
+                        scraper.pause(True)
+                    pause(proc, True)
+                    try:
+                        bt = bare_loop.steps(block, w)
+                    finally:
+                        pause(proc, False)
+                        if scraper:
+                            scraper.pause(False)
+                    st = svc_loop.steps(block, w)
+                    bare_t += bt
+                    svc_t += st
+                    per_round.append(statistics.mean(bt) / statistics.mean(st))
+                svc_loop.close()
             finally:
                 scrapes = scraper.stop() if scraper else 0
                 stop_server(proc)
-            svc = summarize(times, b * t)
-            wall = sum(times) / len(times)
+            bare_s, svc = summarize(bare_t, b * t), summarize(svc_t, b * t)
+            wall, bare_step = statistics.mean(svc_t), statistics.mean(bare_t)
+            n = len(svc_t)
             rows.append(
                 {
                     "model": name,
@@ -349,18 +409,22 @@ def run(
                     "scrapes": scrapes,
                     "batch": [b, t],
                     "steps": steps,
+                    "rounds": rounds,
                     "cores": cores(),
                     "bare": asdict(bare_s),
                     "service": asdict(svc),
-                    "ratio": svc.tokens_per_s / bare_s.tokens_per_s,
+                    "ratio": statistics.median(per_round),
+                    "ratio_rounds": per_round,
                     "serve_ready_s": ready,
-                    "first_step_s": first,
+                    "first_step_s": svc_loop.first_step_s,
                     # per timed step: where the service's wall time goes
                     "per_step_s": {
                         "wall": wall,
                         "compute (the bare step)": bare_step,
                         "overhead (wall - bare step)": wall - bare_step,
-                        **{f"gateway {k}": v / len(times) for k, v in sorted(routes.items())},
+                        **{
+                            f"gateway {k}": v / n for k, v in sorted(svc_loop.routes.items())
+                        },
                     },
                 }
             )
@@ -374,6 +438,12 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,medium")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="bare block / service block rounds per variant (the median round's ratio is shown)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny only, 4 steps")
     ap.add_argument(
         "--trainer-threads",
@@ -407,8 +477,12 @@ def main() -> None:
     rows = []
     for m in models:
         print(f"[service_path] {m}: bare loop, then the service ...", file=sys.stderr, flush=True)
-        rows += run(m, steps, a.warmup, variants, a.scrape_seconds)
-    print(f"\ncores: {cores()}, steps: {steps} timed after {a.warmup} warm-up, rank {RANK}")
+        rows += run(m, steps, a.warmup, variants, a.scrape_seconds, 1 if a.quick else a.rounds)
+    rounds = 1 if a.quick else a.rounds
+    print(
+        f"\ncores: {cores()}; per variant {rounds} round(s) of a bare block (server paused) and "
+        f"a service block, {steps} timed steps each; rank {RANK}; ratio: the median round's"
+    )
     head = f"{'model':8} {'threads':>8} {'metrics':>8} {'B x T':>8} {'bare tok/s':>11}"
     head += f" {'service tok/s':>14}"
     head += f" {'ratio':>6}"
@@ -437,7 +511,9 @@ def main() -> None:
                 f"({on['scrapes']} scrapes during the run)"
             )
     for r in rows:
-        print(f"\n{r['model']}, Trainer threads {r['trainer_threads']}: per timed step, seconds")
+        rr = ", ".join(f"{v:.2f}" for v in r["ratio_rounds"])
+        print(f"\n{r['model']}, Trainer threads {r['trainer_threads']}: ratio per round {rr}")
+        print("  per timed step, seconds:")
         for k, v in r["per_step_s"].items():
             print(f"  {k:40} {v:.4f}")
     if a.json:
