@@ -156,18 +156,25 @@ def _free_port() -> int:
 
 
 def start_server(
-    path: Path, name: str, work: Path, threads: int | None, metrics: bool = True
+    path: Path,
+    name: str,
+    work: Path,
+    threads: int | None,
+    metrics: bool = True,
+    ingress: str = "direct",
 ) -> tuple[subprocess.Popen, str, dict, float]:
     """A `twinkle serve` of ``path`` as ``name`` (Trainer torch threads: ``threads``, None = the
-    server's default; ``metrics``: Prometheus metrics on or off): (process, url, env, seconds to
-    ready)."""
+    server's default; ``metrics``: Prometheus metrics on or off; ``ingress``: the gateway's):
+    (process, url, env, seconds to ready)."""
     port = _free_port()
     config = work / "server.yaml"
     trainer = f"    trainer: {{torch_threads: {threads}}}\n" if threads else ""
-    off = "" if metrics else "gateway: {metrics_enabled: false}\nengine_metrics: {enabled: false}\n"
+    flags = f"ingress: {ingress}" + ("" if metrics else ", metrics_enabled: false")
+    gateway = f"gateway: {{{flags}}}\n"
+    off = "" if metrics else "engine_metrics: {enabled: false}\n"
     config.write_text(
         f"models:\n  - name: {name}\n    path: {path}\n    max_lora_rank: {RANK}\n"
-        "    execution: sequential\n" + trainer + off
+        "    execution: sequential\n" + trainer + gateway + off
     )
     return start_server_config(config, work, port)
 
@@ -346,12 +353,12 @@ def run(
     name: str,
     steps: int,
     warmup: int,
-    variants: list[tuple[int | None, bool]],
+    variants: list[tuple[int | None, bool, str]],
     scrape_s: float = 1.0,
     rounds: int = 3,
 ) -> list[dict]:
-    """Per (Trainer threads, metrics on) in ``variants``: one server, then ``rounds`` rounds of
-    a bare block (the server paused) and a service block of ``steps`` timed steps each. This
+    """Per (Trainer threads, metrics on, gateway ingress) in ``variants``: one server, then
+    ``rounds`` rounds of a bare block (the server paused) and a service block of ``steps`` timed steps each. This
     machine's speed drifts by tens of percent within minutes (a shared VM), so the ratio is
     taken per round, from blocks seconds apart, and the median round is reported."""
     work = Path(tempfile.mkdtemp(prefix=f"svc-{name}-"))
@@ -362,8 +369,8 @@ def run(
         b, t = SHAPE[name]
         data = batches(vocab, b, t, steps + warmup)
         bare_loop = Bare(path)
-        for threads, metrics in variants:
-            proc, url, env, ready = start_server(path, served, work, threads, metrics)
+        for threads, metrics, ingress in variants:
+            proc, url, env, ready = start_server(path, served, work, threads, metrics, ingress)
             scraper = Scraper(url, work / "data", scrape_s) if metrics else None
             bare_t: list[float] = []
             svc_t: list[float] = []
@@ -406,6 +413,7 @@ def run(
                     "model": name,
                     "trainer_threads": threads or "default",
                     "metrics": metrics,
+                    "ingress": ingress,
                     "scrapes": scrapes,
                     "batch": [b, t],
                     "steps": steps,
@@ -451,6 +459,11 @@ def main() -> None:
         help="Trainer torch-thread settings to compare, comma-separated (1 = the old default)",
     )
     ap.add_argument(
+        "--ingress",
+        default="direct",
+        help="gateway ingress settings to compare, comma-separated: direct, serve_proxy",
+    )
+    ap.add_argument(
         "--compare-metrics",
         action="store_true",
         help="the service with Prometheus metrics on (scraped every second), then off",
@@ -469,9 +482,10 @@ def main() -> None:
     models = ["tiny"] if a.quick else a.models.split(",")
     steps = 4 if a.quick else a.steps
     threads = [None if v == "default" else int(v) for v in a.trainer_threads.split(",")]
-    variants = [(t, True) for t in threads]
+    ingresses = a.ingress.split(",")
+    variants = [(t, True, i) for i in ingresses for t in threads]
     if a.compare_metrics:
-        variants = [(threads[-1], True), (threads[-1], False)]
+        variants = [(threads[-1], True, ingresses[0]), (threads[-1], False, ingresses[0])]
         if a.metrics_first == "off":
             variants.reverse()
     rows = []
@@ -483,7 +497,8 @@ def main() -> None:
         f"\ncores: {cores()}; per variant {rounds} round(s) of a bare block (server paused) and "
         f"a service block, {steps} timed steps each; rank {RANK}; ratio: the median round's"
     )
-    head = f"{'model':8} {'threads':>8} {'metrics':>8} {'B x T':>8} {'bare tok/s':>11}"
+    head = f"{'model':8} {'ingress':>11} {'threads':>8} {'metrics':>8} {'B x T':>8}"
+    head += f" {'bare tok/s':>11}"
     head += f" {'service tok/s':>14}"
     head += f" {'ratio':>6}"
     head += f" {'bare p50/p95 s':>15} {'service p50/p95 s':>18} {'ready s':>8} {'1st step s':>10}"
@@ -492,7 +507,8 @@ def main() -> None:
         bs, ss = r["bare"], r["service"]
         shape = "x".join(map(str, r["batch"]))
         print(
-            f"{r['model']:8} {r['trainer_threads']!s:>8} {'on' if r['metrics'] else 'off':>8} "
+            f"{r['model']:8} {r['ingress']:>11} {r['trainer_threads']!s:>8} "
+            f"{'on' if r['metrics'] else 'off':>8} "
             f"{shape:>8} {bs['tokens_per_s']:11.0f} "
             f"{ss['tokens_per_s']:14.0f} {r['ratio']:6.2f} "
             f"{bs['step_p50_s']:7.3f}/{bs['step_p95_s']:.3f} "
@@ -512,7 +528,10 @@ def main() -> None:
             )
     for r in rows:
         rr = ", ".join(f"{v:.2f}" for v in r["ratio_rounds"])
-        print(f"\n{r['model']}, Trainer threads {r['trainer_threads']}: ratio per round {rr}")
+        print(
+            f"\n{r['model']}, ingress {r['ingress']}, Trainer threads {r['trainer_threads']}: "
+            f"ratio per round {rr}"
+        )
         print("  per timed step, seconds:")
         for k, v in r["per_step_s"].items():
             print(f"  {k:40} {v:.4f}")

@@ -30,6 +30,12 @@ class GatewayConfig(_Strict):
     """The gateway's own section (read by the gateway; the engine ignores it)."""
 
     num_replicas: int = Field(default=1, ge=1, description="Gateway (HTTP ingress) replicas")
+    ingress: Literal["direct", "serve_proxy"] = Field(
+        default="direct",
+        description="direct: each gateway replica listens on the port itself (SO_REUSEPORT, "
+        "all on the head node); serve_proxy: Ray Serve's proxy listens and forwards every "
+        "request to a replica (one more process hop per request)",
+    )
     redis_url: str | None = Field(
         default=None, description="Redis for quota and rate-limit state; required with >1 replica"
     )

@@ -70,14 +70,8 @@ def _kv() -> Any:
     return internal_kv
 
 
-@serve.deployment(
-    name="gateway",
-    max_ongoing_requests=4096,
-    ray_actor_options={"num_cpus": 0.25, "resources": HEAD_RESOURCE},
-)
-@serve.ingress()
-class Gateway:
-    """The FastAPI gateway as a Serve ingress; the app is built on the replica. A thread watches
+class _Gateway:
+    """The FastAPI gateway on a Serve replica; the app is built on the replica. A thread watches
     the drain flag and, once it is set, drains the app and publishes its pending count."""
 
     def __init__(self, settings: dict, config: dict, engines: dict) -> None:
@@ -91,7 +85,7 @@ class Gateway:
         self._app: Any = None
         threading.Thread(target=self._watch_drain, name="drain-watch", daemon=True).start()
 
-    def __serve_build_asgi_app__(self):
+    def _build_app(self) -> Any:
         from gateway.main import create_app
 
         self._app = create_app(
@@ -112,6 +106,47 @@ class Gateway:
                 kv._internal_kv_put(DRAIN_STATUS + me, json.dumps(status).encode())
             except Exception:  # the GCS going away at shutdown; keep serving meanwhile
                 log.debug("drain watch", exc_info=True)
+
+
+class DirectGateway(_Gateway):
+    """``gateway.ingress: direct`` (the default): the replica serves HTTP itself on the
+    configured port (gateway/direct_http.py); Serve's proxy is not started. Serve restarts a
+    replica whose server stopped (`check_health`)."""
+
+    def __init__(self, settings: dict, config: dict, engines: dict) -> None:
+        super().__init__(settings, config, engines)
+        from gateway.direct_http import DirectHTTP
+
+        self._http = DirectHTTP(self._build_app(), self._config.host, self._config.port)
+
+    def check_health(self) -> None:
+        if not self._http.alive():
+            raise RuntimeError(f"the gateway's HTTP server on {self._http.address} stopped")
+
+    def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.stop()
+
+
+@serve.ingress()
+class ProxiedGateway(_Gateway):
+    """``gateway.ingress: serve_proxy``: Serve's proxy listens and forwards every request to
+    this replica as an actor call."""
+
+    def __serve_build_asgi_app__(self):
+        return self._build_app()
+
+
+def gateway_deployment(config: ServerConfig) -> Any:
+    direct = config.gateway.ingress == "direct"
+    return serve.deployment(
+        DirectGateway if direct else ProxiedGateway,
+        name="gateway",
+        num_replicas=config.gateway.num_replicas,
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0.25, "resources": HEAD_RESOURCE},
+    )
 
 
 def _pending(drain: Any) -> int:
@@ -172,6 +207,15 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
     settings = Settings.from_env()
     check_replicas_share_state(settings.redis_url, config)
     check_profile(settings.database_url, settings.redis_url, config)
+    address = config.ray.address or os.environ.get("RAY_ADDRESS") or None
+    if not address or address == "local":  # the gateway will listen here: fail fast
+        from engine.errors import ConfigError
+        from gateway.direct_http import PortInUseError, check_port_free
+
+        try:
+            check_port_free(config.host, config.port)
+        except PortInUseError as exc:
+            raise ConfigError(str(exc)) from None
     settings.data_dir.mkdir(parents=True, exist_ok=True)
 
     from engine.base_models.registry import resolve_model_dir
@@ -201,7 +245,6 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
 
     install_handlers()
     t0 = time.monotonic()
-    address = config.ray.address or os.environ.get("RAY_ADDRESS") or None
     if address and address != "local":  # Ray's own spelling of "start a private one"
         ray.init(address=address, logging_level=logging.ERROR)
         alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -220,18 +263,27 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
     install_handlers()
     try:
         _clear_drain_keys()
-        # One HTTP proxy, on the head, with the gateway: worker nodes only run Trainers/Samplers
-        # (and two nodes on one host would both want the port).
-        serve.start(
-            proxy_location="HeadOnly",
-            http_options={"host": config.host, "port": config.port},
-        )
-        app = Gateway.options(num_replicas=config.gateway.num_replicas).bind(
+        if config.gateway.ingress == "direct":
+            # The gateway replicas (on the head) listen themselves; no Serve proxy anywhere.
+            serve.start(proxy_location="Disabled")
+        else:
+            # One HTTP proxy, on the head, with the gateway: worker nodes only run
+            # Trainers/Samplers (and two nodes on one host would both want the port).
+            serve.start(
+                proxy_location="HeadOnly",
+                http_options={"host": config.host, "port": config.port},
+            )
+        app = gateway_deployment(config).bind(
             settings.model_dump(mode="json"),
             config.model_dump(mode="json"),
             engine_apps(config, str(settings.data_dir)),
         )
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(
+            app,
+            name=APP_NAME,
+            route_prefix="/" if config.gateway.ingress == "serve_proxy" else None,
+            blocking=False,
+        )
         install_handlers()
         print(
             f"Twinkle ready at http://{config.host}:{config.port} "
