@@ -358,9 +358,9 @@ def run(
     rounds: int = 3,
 ) -> list[dict]:
     """Per (Trainer threads, metrics on, gateway ingress) in ``variants``: one server, then
-    ``rounds`` rounds of a bare block (the server paused) and a service block of ``steps`` timed steps each. This
-    machine's speed drifts by tens of percent within minutes (a shared VM), so the ratio is
-    taken per round, from blocks seconds apart, and the median round is reported."""
+    ``rounds`` rounds of a bare block (the server paused) and a service block of ``steps`` timed
+    steps each. This machine's speed drifts by tens of percent within minutes (a shared VM), so
+    the ratio is taken per round, from blocks seconds apart, and the median round is reported."""
     work = Path(tempfile.mkdtemp(prefix=f"svc-{name}-"))
     rows = []
     try:
