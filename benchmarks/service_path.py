@@ -430,9 +430,7 @@ def run(
                         "wall": wall,
                         "compute (the bare step)": bare_step,
                         "overhead (wall - bare step)": wall - bare_step,
-                        **{
-                            f"gateway {k}": v / n for k, v in sorted(svc_loop.routes.items())
-                        },
+                        **{f"gateway {k}": v / n for k, v in sorted(svc_loop.routes.items())},
                     },
                 }
             )
