@@ -6,7 +6,7 @@ theirs, so ids of other tenants leak nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Path, Query, Request
@@ -22,7 +22,11 @@ from gateway.runs.checkpoints import CHECKPOINT_DELETED
 from gateway.settings import Secrets, Settings
 
 
-def get_db(request: Request) -> Iterator[Session]:
+# The dependencies below are ``async def`` although they do no I/O: FastAPI runs a plain ``def``
+# dependency in its threadpool, and a training step's four requests resolved ~20 of them (two
+# thread switches each, measured in the gateway's profile on the 2-core CPU). A Session opens no
+# connection until it is used.
+async def get_db(request: Request) -> AsyncIterator[Session]:
     with Session(request.app.state.db_engine) as session:
         hook = getattr(request.app.state, "checkpoint_deleted", None)
         if hook is not None:
@@ -30,19 +34,19 @@ def get_db(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_engine(request: Request) -> EngineClient:
+async def get_engine(request: Request) -> EngineClient:
     return request.app.state.engine_client
 
 
-def get_futures(request: Request) -> FutureStore:
+async def get_futures(request: Request) -> FutureStore:
     return request.app.state.futures
 
 
-def get_config(request: Request) -> ServerConfig:
+async def get_config(request: Request) -> ServerConfig:
     return request.app.state.server_config
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -64,7 +68,7 @@ ConfigDep = Annotated[ServerConfig, Depends(get_config)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def get_secrets(request: Request) -> Secrets:
+async def get_secrets(request: Request) -> Secrets:
     return request.app.state.secrets
 
 

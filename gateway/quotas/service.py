@@ -331,7 +331,7 @@ class Quotas:
         await self.store.aclose()
 
 
-def get_quotas(request: Request) -> Quotas:
+async def get_quotas(request: Request) -> Quotas:
     return request.app.state.quotas
 
 
