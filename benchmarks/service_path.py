@@ -349,6 +349,26 @@ class Service:
 # ----------------------------------------------------------------------------------- runner
 
 
+@dataclass
+class Variant:
+    threads: int | None
+    metrics: bool
+    ingress: str
+    proc: subprocess.Popen | None = None
+    url: str = ""
+    ready_s: float = 0.0
+    scraper: Scraper | None = None
+    loop: Service | None = None
+    times: list[float] | None = None
+    ratios: list[float] | None = None
+
+    def pause(self, stop: bool) -> None:
+        if self.scraper:
+            self.scraper.pause(stop)
+        if self.proc is not None:
+            pause(self.proc, stop)
+
+
 def run(
     name: str,
     steps: int,
@@ -357,84 +377,93 @@ def run(
     scrape_s: float = 1.0,
     rounds: int = 3,
 ) -> list[dict]:
-    """Per (Trainer threads, metrics on, gateway ingress) in ``variants``: one server, then
-    ``rounds`` rounds of a bare block (the server paused) and a service block of ``steps`` timed
-    steps each. This machine's speed drifts by tens of percent within minutes (a shared VM), so
-    the ratio is taken per round, from blocks seconds apart, and the median round is reported."""
+    """One server per (Trainer threads, metrics on, gateway ingress) in ``variants``, all started
+    first, then ``rounds`` rounds of: a bare block, then each variant's service block, ``steps``
+    timed steps each, with every server but the measured one paused (SIGSTOP: a paused server
+    uses no CPU, so the bare loop runs on quiet cores). This machine's speed drifts by tens of
+    percent within minutes (a shared VM), so each ratio is taken within a round, from blocks
+    seconds apart, and the median round is reported."""
     work = Path(tempfile.mkdtemp(prefix=f"svc-{name}-"))
     rows = []
+    vs = [Variant(t, m, i, times=[], ratios=[]) for t, m, i in variants]
     try:
         path, served = model_dir(name, work)
         vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size"))
         b, t = SHAPE[name]
         data = batches(vocab, b, t, steps + warmup)
         bare_loop = Bare(path)
-        for threads, metrics, ingress in variants:
-            proc, url, env, ready = start_server(path, served, work, threads, metrics, ingress)
-            scraper = Scraper(url, work / "data", scrape_s) if metrics else None
-            bare_t: list[float] = []
-            svc_t: list[float] = []
-            per_round: list[float] = []
-            try:
-                key = subprocess.run(
-                    [TWINKLE, "keys", "create", "--user", "bench"],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stdout.split()[-1]
-                svc_loop = Service(served, url, key)
-                for r in range(rounds):
-                    # the first round warms up longer (first calls compile kernels, fill caches)
-                    w = warmup if r == 0 else 1
-                    block = data if r == 0 else data[warmup - 1 :]
-                    if scraper:
-                        scraper.pause(True)
-                    pause(proc, True)
-                    try:
-                        bt = bare_loop.steps(block, w)
-                    finally:
-                        pause(proc, False)
-                        if scraper:
-                            scraper.pause(False)
-                    st = svc_loop.steps(block, w)
-                    bare_t += bt
-                    svc_t += st
-                    per_round.append(statistics.mean(bt) / statistics.mean(st))
-                svc_loop.close()
-            finally:
-                scrapes = scraper.stop() if scraper else 0
-                stop_server(proc)
-            bare_s, svc = summarize(bare_t, b * t), summarize(svc_t, b * t)
-            wall, bare_step = statistics.mean(svc_t), statistics.mean(bare_t)
-            n = len(svc_t)
+        for k, v in enumerate(vs):
+            vdir = work / f"v{k}"
+            vdir.mkdir()
+            v.proc, v.url, env, v.ready_s = start_server(
+                path, served, vdir, v.threads, v.metrics, v.ingress
+            )
+            key = subprocess.run(
+                [TWINKLE, "keys", "create", "--user", "bench"],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()[-1]
+            v.scraper = Scraper(v.url, vdir / "data", scrape_s) if v.metrics else None
+            v.loop = Service(served, v.url, key)
+            v.pause(True)
+        bare_t: list[float] = []
+        for r in range(rounds):
+            # the first round warms up longer (first calls compile kernels, fill caches)
+            w = warmup if r == 0 else 1
+            block = data if r == 0 else data[warmup - 1 :]
+            bt = bare_loop.steps(block, w)
+            bare_t += bt
+            for v in vs:
+                assert v.loop is not None and v.times is not None and v.ratios is not None
+                v.pause(False)
+                try:
+                    st = v.loop.steps(block, w)
+                finally:
+                    v.pause(True)
+                v.times += st
+                v.ratios.append(statistics.mean(bt) / statistics.mean(st))
+        bare_s = summarize(bare_t, b * t)
+        bare_step = statistics.mean(bare_t)
+        for v in vs:
+            assert v.loop is not None and v.times is not None and v.ratios is not None
+            v.pause(False)
+            v.loop.close()
+            svc = summarize(v.times, b * t)
+            wall = statistics.mean(v.times)
+            n = len(v.times)
             rows.append(
                 {
                     "model": name,
-                    "trainer_threads": threads or "default",
-                    "metrics": metrics,
-                    "ingress": ingress,
-                    "scrapes": scrapes,
+                    "trainer_threads": v.threads or "default",
+                    "metrics": v.metrics,
+                    "ingress": v.ingress,
+                    "scrapes": v.scraper.stop() if v.scraper else 0,
                     "batch": [b, t],
                     "steps": steps,
                     "rounds": rounds,
                     "cores": cores(),
                     "bare": asdict(bare_s),
                     "service": asdict(svc),
-                    "ratio": statistics.median(per_round),
-                    "ratio_rounds": per_round,
-                    "serve_ready_s": ready,
-                    "first_step_s": svc_loop.first_step_s,
+                    "ratio": statistics.median(v.ratios),
+                    "ratio_rounds": v.ratios,
+                    "serve_ready_s": v.ready_s,
+                    "first_step_s": v.loop.first_step_s,
                     # per timed step: where the service's wall time goes
                     "per_step_s": {
                         "wall": wall,
                         "compute (the bare step)": bare_step,
                         "overhead (wall - bare step)": wall - bare_step,
-                        **{f"gateway {k}": v / n for k, v in sorted(svc_loop.routes.items())},
+                        **{f"gateway {k}": x / n for k, x in sorted(v.loop.routes.items())},
                     },
                 }
             )
     finally:
+        for v in vs:
+            if v.proc is not None:
+                v.pause(False)
+                stop_server(v.proc)
         shutil.rmtree(work, ignore_errors=True)
     return rows
 
