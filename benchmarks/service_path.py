@@ -162,6 +162,7 @@ def start_server(
     threads: int | None,
     metrics: bool = True,
     ingress: str = "direct",
+    extra_env: dict | None = None,
 ) -> tuple[subprocess.Popen, str, dict, float]:
     """A `twinkle serve` of ``path`` as ``name`` (Trainer torch threads: ``threads``, None = the
     server's default; ``metrics``: Prometheus metrics on or off; ``ingress``: the gateway's):
@@ -176,19 +177,20 @@ def start_server(
         f"models:\n  - name: {name}\n    path: {path}\n    max_lora_rank: {RANK}\n"
         "    execution: sequential\n" + trainer + gateway + off
     )
-    return start_server_config(config, work, port)
+    return start_server_config(config, work, port, extra_env)
 
 
 def start_server_config(
-    config: Path, work: Path, port: int | None = None
+    config: Path, work: Path, port: int | None = None, extra_env: dict | None = None
 ) -> tuple[subprocess.Popen, str, dict, float]:
     """`twinkle serve --config config` with data in ``work/data`` (emptied first) on ``port`` (a
-    free one if None): (process, url, env, seconds to ready); its log is ``work/serve.log``."""
+    free one if None), ``extra_env`` added to its environment: (process, url, env, seconds to
+    ready); its log is ``work/serve.log``."""
     import httpx
 
     port = port or _free_port()
     shutil.rmtree(work / "data", ignore_errors=True)
-    env = dict(os.environ, TWINKLE_DATA_DIR=str(work / "data"))
+    env = dict(os.environ, TWINKLE_DATA_DIR=str(work / "data"), **(extra_env or {}))
     log = open(work / "serve.log", "w")  # noqa: SIM115 (open while the server runs)
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -354,6 +356,7 @@ class Variant:
     threads: int | None
     metrics: bool
     ingress: str
+    env: dict[str, str]
     proc: subprocess.Popen | None = None
     url: str = ""
     ready_s: float = 0.0
@@ -373,19 +376,21 @@ def run(
     name: str,
     steps: int,
     warmup: int,
-    variants: list[tuple[int | None, bool, str]],
+    variants: list[tuple[int | None, bool, str, dict[str, str]]],
     scrape_s: float = 1.0,
     rounds: int = 3,
 ) -> list[dict]:
-    """One server per (Trainer threads, metrics on, gateway ingress) in ``variants``, all started
+    """One server per (Trainer threads, metrics on, gateway ingress, extra environment) in
+    ``variants``, all started
     first, then ``rounds`` rounds of: a bare block, then each variant's service block, ``steps``
     timed steps each, with every server but the measured one paused (SIGSTOP: a paused server
     uses no CPU, so the bare loop runs on quiet cores). This machine's speed drifts by tens of
     percent within minutes (a shared VM), so each ratio is taken within a round, from blocks
-    seconds apart, and the median round is reported."""
+    seconds apart (default: blocks of 2 steps, so a bare step and a service step are seconds
+    apart), and tokens/s are summed over all rounds."""
     work = Path(tempfile.mkdtemp(prefix=f"svc-{name}-"))
     rows = []
-    vs = [Variant(t, m, i, times=[], ratios=[]) for t, m, i in variants]
+    vs = [Variant(t, m, i, e, times=[], ratios=[]) for t, m, i, e in variants]
     try:
         path, served = model_dir(name, work)
         vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size"))
@@ -396,7 +401,7 @@ def run(
             vdir = work / f"v{k}"
             vdir.mkdir()
             v.proc, v.url, env, v.ready_s = start_server(
-                path, served, vdir, v.threads, v.metrics, v.ingress
+                path, served, vdir, v.threads, v.metrics, v.ingress, v.env
             )
             key = subprocess.run(
                 [TWINKLE, "keys", "create", "--user", "bench"],
@@ -410,9 +415,10 @@ def run(
             v.pause(True)
         bare_t: list[float] = []
         for r in range(rounds):
-            # the first round warms up longer (first calls compile kernels, fill caches)
-            w = warmup if r == 0 else 1
-            block = data if r == 0 else data[warmup - 1 :]
+            # only the first round warms up (first calls allocate, fill caches); a later block
+            # starts right after its server was resumed, which counts against the service
+            w = warmup if r == 0 else 0
+            block = data if r == 0 else data[warmup:]
             bt = bare_loop.steps(block, w)
             bare_t += bt
             for v in vs:
@@ -426,9 +432,10 @@ def run(
                 v.ratios.append(statistics.mean(bt) / statistics.mean(st))
         bare_s = summarize(bare_t, b * t)
         bare_step = statistics.mean(bare_t)
+        for v in vs:  # all first: the SDK's clients share one event loop, which a paused
+            v.pause(False)  # server's pending heartbeat would hold up while another closes
         for v in vs:
             assert v.loop is not None and v.times is not None and v.ratios is not None
-            v.pause(False)
             v.loop.close()
             svc = summarize(v.times, b * t)
             wall = statistics.mean(v.times)
@@ -439,6 +446,7 @@ def run(
                     "trainer_threads": v.threads or "default",
                     "metrics": v.metrics,
                     "ingress": v.ingress,
+                    "server_env": v.env,
                     "scrapes": v.scraper.stop() if v.scraper else 0,
                     "batch": [b, t],
                     "steps": steps,
@@ -446,7 +454,8 @@ def run(
                     "cores": cores(),
                     "bare": asdict(bare_s),
                     "service": asdict(svc),
-                    "ratio": statistics.median(v.ratios),
+                    # tokens/s over all rounds (the issue's measure), and per round
+                    "ratio": bare_step / statistics.mean(v.times),
                     "ratio_rounds": v.ratios,
                     "serve_ready_s": v.ready_s,
                     "first_step_s": v.loop.first_step_s,
@@ -471,13 +480,13 @@ def run(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny,medium")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument(
         "--rounds",
         type=int,
-        default=3,
-        help="bare block / service block rounds per variant (the median round's ratio is shown)",
+        default=10,
+        help="rounds of a bare block and each variant's service block",
     )
     ap.add_argument("--quick", action="store_true", help="tiny only, 4 steps")
     ap.add_argument(
@@ -489,6 +498,12 @@ def main() -> None:
         "--ingress",
         default="direct",
         help="gateway ingress settings to compare, comma-separated: direct, serve_proxy",
+    )
+    ap.add_argument(
+        "--env-variants",
+        default="",
+        help="server environments to compare, '|'-separated, each space-separated KEY=VALUE "
+        "pairs ('' = the server's defaults), e.g. 'RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.1|'",
     )
     ap.add_argument(
         "--compare-metrics",
@@ -510,9 +525,10 @@ def main() -> None:
     steps = 4 if a.quick else a.steps
     threads = [None if v == "default" else int(v) for v in a.trainer_threads.split(",")]
     ingresses = a.ingress.split(",")
-    variants = [(t, True, i) for i in ingresses for t in threads]
+    envs = [dict(kv.split("=", 1) for kv in e.split()) for e in a.env_variants.split("|")]
+    variants = [(t, True, i, e) for e in envs for i in ingresses for t in threads]
     if a.compare_metrics:
-        variants = [(threads[-1], True, ingresses[0]), (threads[-1], False, ingresses[0])]
+        variants = [(threads[-1], m, ingresses[0], envs[0]) for m in (True, False)]
         if a.metrics_first == "off":
             variants.reverse()
     rows = []
@@ -522,7 +538,7 @@ def main() -> None:
     rounds = 1 if a.quick else a.rounds
     print(
         f"\ncores: {cores()}; per variant {rounds} round(s) of a bare block (server paused) and "
-        f"a service block, {steps} timed steps each; rank {RANK}; ratio: the median round's"
+        f"a service block, {steps} timed steps each; rank {RANK}; ratio: tokens/s over all rounds"
     )
     head = f"{'model':8} {'ingress':>11} {'threads':>8} {'metrics':>8} {'B x T':>8}"
     head += f" {'bare tok/s':>11}"
@@ -554,10 +570,13 @@ def main() -> None:
                 f"({on['scrapes']} scrapes during the run)"
             )
     for r in rows:
-        rr = ", ".join(f"{v:.2f}" for v in r["ratio_rounds"])
+        q = r["ratio_rounds"]
+        rr = f"{min(q):.2f} / {statistics.median(q):.2f} / {max(q):.2f}"
+        env = " ".join(f"{k}={v}" for k, v in r["server_env"].items())
         print(
-            f"\n{r['model']}, ingress {r['ingress']}, Trainer threads {r['trainer_threads']}: "
-            f"ratio per round {rr}"
+            f"\n{r['model']}, ingress {r['ingress']}, Trainer threads {r['trainer_threads']}"
+            + (f", env {env}" if env else "")
+            + f": ratio {r['ratio']:.3f}; per round min / median / max {rr}"
         )
         print("  per timed step, seconds:")
         for k, v in r["per_step_s"].items():

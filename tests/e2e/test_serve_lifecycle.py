@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import TWINKLE, _free_port
+from tests.e2e.conftest import TWINKLE, _free_port, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
@@ -61,6 +62,67 @@ def _session_members(sid: int) -> list[str]:
     return found
 
 
+def _listener_commands(port: int) -> list[str]:
+    """The process names (``ray::ProxyActor``, ``ray::ServeRepli``...) listening on ``port``."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [
+        name
+        for line in out.splitlines()
+        if line.split()[3].endswith(f":{port}")
+        for name in re.findall(r'\("([^"]+)",pid=', line)
+    ]
+
+
+def test_busy_port_is_refused_before_start_up(tmp_path):
+    """A port another program holds stops `twinkle serve` at once (exit 2, one line naming it),
+    before migrations, models or Ray."""
+    port = _free_port()
+    env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path / "data"))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen(1)
+        t0 = time.monotonic()
+        out = subprocess.run(
+            [TWINKLE, "serve", "--port", str(port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"port {port} on 127.0.0.1 is in use by another process" in out.stderr
+    assert "Traceback" not in out.stderr and "Twinkle ready" not in out.stdout
+    assert not (tmp_path / "data" / "twinkle.db").exists()  # refused before migrating
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_serve_proxy_ingress_still_serves_the_sdk(tmp_path):
+    """``gateway.ingress: serve_proxy``: Ray Serve's proxy listens (not the gateway replica) and
+    the unmodified Tinker SDK trains through it."""
+    import tinker
+    from tinker import types
+
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("models:\n  - name: twinkle/tiny-chat\ngateway: {ingress: serve_proxy}\n")
+    srv, log = start_server(tmp_path, cfg)
+    try:
+        port = int(srv.url.rsplit(":", 1)[1])
+        assert _listener_commands(port) == ["ray::ProxyActor"]
+        sc = tinker.ServiceClient(base_url=srv.url, api_key=srv.create_key("proxy-user"))
+        tc = sc.create_lora_training_client(base_model="twinkle/tiny-chat", rank=4)
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4, 5]},
+        )
+        fb = tc.forward_backward([datum], "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
+        assert fb.result().metrics["loss:sum"] > 0
+        assert opt.result() is not None
+    finally:
+        stop_server(srv, log)
+
+
 def test_unknown_config_key_is_an_error_naming_it(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("port: 8000\nmodels:\n  - name: twinkle/tiny-chat\n    max_lora_rnak: 8\n")
@@ -105,6 +167,10 @@ def test_sigterm_shuts_down_ray_completely(tmp_path):
         assert len(_session_members(proc.pid)) > 3  # driver + gcs + raylet + replicas
         if shutil.which("ss"):
             assert _non_loopback_listeners(_session_pids(proc.pid)) == []
+            # gateway.ingress: direct (the default): the gateway replica itself listens, and no
+            # Serve proxy was started
+            assert _listener_commands(port) == ["ray::ServeRepli"]
+            assert not any("ProxyActor" in m for m in _session_members(proc.pid))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
         deadline = time.monotonic() + 30

@@ -6,8 +6,8 @@
 # Why a RayCluster and not a RayService: `twinkle serve` is a driver that runs migrations, builds
 # the tiny model and binds the Serve app from the server config (gateway/cli/serve.py); it has no
 # import path for serveConfigV2. The driver runs beside the head's Ray container and joins its Ray
-# (RAY_ADDRESS=127.0.0.1:6379, the head's GCS port in the same pod network); Serve's proxy then
-# listens on var.port in the head pod, which the Service selects.
+# (RAY_ADDRESS=127.0.0.1:6379, the head's GCS port in the same pod network); the gateway replica
+# (an actor on the head node) then listens on var.port in the head pod, which the Service selects.
 
 locals {
   labels = merge(var.labels, {

@@ -36,7 +36,7 @@ variable "server_config" {
 
 variable "port" {
   type        = number
-  description = "HTTP port of the gateway inside the head pod (Ray Serve's proxy)."
+  description = "HTTP port of the gateway inside the head pod (the gateway replica listens on it)."
   default     = 8000
 }
 
