@@ -8,20 +8,24 @@ Usage (from the repository root):
     .venv/bin/python benchmarks/service_path.py --models medium --compare-metrics
 
 The same SFT loop (model, batch B x T random tokens, rank-8 LoRA on every target, AdamW, summed
-cross-entropy) run twice, one after the other on the same cores:
+cross-entropy) run both ways on the same cores:
 
 * ``bare``: torch + peft in this process (train mode, one adapter), ``torch.set_num_threads`` =
   the cores this process may use: the floor;
 * ``service``: the unmodified Tinker SDK (``forward_backward`` + ``optim_step`` queued, then both
   ``.result()``, as tinker-cookbook's sl_loop does) against a ``twinkle serve`` started here with
-  that model, one tenant.
+  that model, one tenant; one server per variant (Trainer threads, gateway ingress, environment).
 
-Reported per model: tokens/s and step latency p50/p95 of both, their ratio (service / bare), and
-where the rest goes: the gateway's own time per route from its ``/metrics`` (the sum of request
-durations: forward_backward / optim_step submission, and retrieve_future, which includes waiting
-for the Trainer), the client's time outside HTTP (SDK encoding + its polling gaps), and compute
-(the bare step). Also ``twinkle serve``'s time to ready and a new tenant's time to first step
-(create the training client + the first step). Numbers: benchmarks/README.md.
+Paired rounds: all servers start first; each round is a bare block, then every variant's block
+(``--steps`` each), with every server but the measured one SIGSTOPped (a paused server uses no
+CPU). This VM drifts by tens of percent within minutes, so only blocks seconds apart compare.
+
+Reported per model: tokens/s and step latency p50/p95 of both, their ratio (service / bare, over
+all rounds; per-round min / median / max), and where the rest goes: the gateway's own time per
+route from its ``/metrics`` (the sum of request durations: forward_backward / optim_step
+submission, and retrieve_future, which includes waiting for the Trainer), the overhead per step
+(service step - bare step). Also ``twinkle serve``'s time to ready and a new tenant's time to
+first step (create the training client + the first step). Numbers: benchmarks/README.md.
 
 ``--compare-metrics``: the service twice, Prometheus metrics on (gateway and engine, every
 endpoint scraped every ``--scrape-seconds``, default 1 s: 15x Prometheus' default) and off
