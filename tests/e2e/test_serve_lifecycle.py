@@ -73,22 +73,23 @@ def _listener_commands(port: int) -> list[str]:
     ]
 
 
+def _serve_expecting_exit(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`twinkle serve ARGS` with its data in ``tmp_path/data``, run to its (early) exit."""
+    env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path / "data"))
+    return subprocess.run(
+        [TWINKLE, "serve", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
 def test_busy_port_is_refused_before_start_up(tmp_path):
     """A port another program holds stops `twinkle serve` at once (exit 2, one line naming it),
     before migrations, models or Ray."""
     port = _free_port()
-    env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path / "data"))
     with socket.socket() as other:
         other.bind(("127.0.0.1", port))
         other.listen(1)
         t0 = time.monotonic()
-        out = subprocess.run(
-            [TWINKLE, "serve", "--port", str(port)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = _serve_expecting_exit(tmp_path, "--port", str(port))
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"port {port} on 127.0.0.1 is in use by another process" in out.stderr
     assert "Traceback" not in out.stderr and "Twinkle ready" not in out.stdout
@@ -126,14 +127,7 @@ def test_serve_proxy_ingress_still_serves_the_sdk(tmp_path):
 def test_unknown_config_key_is_an_error_naming_it(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("port: 8000\nmodels:\n  - name: twinkle/tiny-chat\n    max_lora_rnak: 8\n")
-    env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path / "data"))
-    out = subprocess.run(
-        [TWINKLE, "serve", "--config", str(cfg)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _serve_expecting_exit(tmp_path, "--config", str(cfg))
     assert out.returncode != 0
     assert "models.0.max_lora_rnak" in out.stderr
 
