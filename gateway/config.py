@@ -30,12 +30,24 @@ class GatewayConfig(_Strict):
     """The gateway's own section (read by the gateway; the engine ignores it)."""
 
     num_replicas: int = Field(default=1, ge=1, description="Gateway (HTTP ingress) replicas")
-    ingress: Literal["direct", "serve_proxy"] = Field(
-        default="direct",
+    ingress: Literal["auto", "direct", "serve_proxy"] = Field(
+        default="auto",
         description="direct: each gateway replica listens on the port itself (SO_REUSEPORT, "
         "all on the head node); serve_proxy: Ray Serve's proxy listens and forwards every "
-        "request to a replica (one more process hop per request)",
+        "request to a replica (one more process hop per request); auto: direct with one "
+        "gateway replica, serve_proxy with several",
     )
+
+    def direct_ingress(self) -> bool:
+        """Whether the gateway replicas listen themselves. ``auto`` keeps Serve's proxy for
+        several replicas: it routes every request anew, whereas a client's kept-alive
+        connection sticks to one replica, and a retrieve_future poll that sticks to a replica
+        that never sees its future finish (the owner's last write to Redis lost while Redis
+        restarted) waited forever in the fault tests."""
+        if self.ingress == "auto":
+            return self.num_replicas == 1
+        return self.ingress == "direct"
+
     redis_url: str | None = Field(
         default=None, description="Redis for quota and rate-limit state; required with >1 replica"
     )

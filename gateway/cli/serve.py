@@ -109,9 +109,9 @@ class _Gateway:
 
 
 class DirectGateway(_Gateway):
-    """``gateway.ingress: direct`` (the default): the replica serves HTTP itself on the
-    configured port (gateway/direct_http.py); Serve's proxy is not started. Serve restarts a
-    replica whose server stopped (`check_health`)."""
+    """``gateway.ingress: direct`` (and ``auto`` with one replica, the default): the replica
+    serves HTTP itself on the configured port (gateway/direct_http.py); Serve's proxy is not
+    started. Serve restarts a replica whose server stopped (`check_health`)."""
 
     def __init__(self, settings: dict, config: dict, engines: dict) -> None:
         super().__init__(settings, config, engines)
@@ -139,7 +139,7 @@ class ProxiedGateway(_Gateway):
 
 
 def gateway_deployment(config: ServerConfig) -> Any:
-    direct = config.gateway.ingress == "direct"
+    direct = config.gateway.direct_ingress()
     return serve.deployment(
         DirectGateway if direct else ProxiedGateway,
         name="gateway",
@@ -263,7 +263,7 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
     install_handlers()
     try:
         _clear_drain_keys()
-        if config.gateway.ingress == "direct":
+        if config.gateway.direct_ingress():
             # The gateway replicas (on the head) listen themselves; no Serve proxy anywhere.
             serve.start(proxy_location="Disabled")
         else:
@@ -281,7 +281,7 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
         serve.run(
             app,
             name=APP_NAME,
-            route_prefix="/" if config.gateway.ingress == "serve_proxy" else None,
+            route_prefix=None if config.gateway.direct_ingress() else "/",
             blocking=False,
         )
         install_handlers()

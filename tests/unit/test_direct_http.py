@@ -9,6 +9,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from gateway.config import GatewayConfig
 from gateway.direct_http import DirectHTTP, PortInUseError, check_port_free
 
 
@@ -85,3 +86,10 @@ def test_a_failing_startup_is_raised_by_the_constructor():
     with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}"):
         DirectHTTP(FastAPI(lifespan=lifespan), "127.0.0.1", port)
     check_port_free("127.0.0.1", port)  # its socket was closed
+
+
+def test_auto_ingress_is_direct_for_one_replica_only():
+    assert GatewayConfig().direct_ingress()
+    assert not GatewayConfig(num_replicas=2, redis_url="redis://x").direct_ingress()
+    assert GatewayConfig(num_replicas=2, ingress="direct").direct_ingress()
+    assert not GatewayConfig(ingress="serve_proxy").direct_ingress()
