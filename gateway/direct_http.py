@@ -19,6 +19,7 @@ import contextlib
 import errno
 import socket
 import threading
+import time
 from typing import Any
 
 #: Serve's proxy keeps idle client connections this long (ray.serve's default); so do we, so an
@@ -99,18 +100,17 @@ class DirectHTTP:
                 self._sock.close()
 
     def _wait_started(self) -> None:
-        deadline = START_TIMEOUT_S
-        step = 0.01
+        deadline = time.monotonic() + START_TIMEOUT_S
         while not self._server.started:
             if not self._thread.is_alive():
+                # a failed lifespan start-up returns without raising (uvicorn logged why)
+                why = f": {self._error!r}" if self._error is not None else " (see the log above)"
                 raise RuntimeError(
-                    f"the gateway's HTTP server on {self.address} stopped while starting: "
-                    f"{self._error!r}"
+                    f"the gateway's HTTP server on {self.address} stopped while starting{why}"
                 )
-            if deadline <= 0:
+            if time.monotonic() > deadline:
                 raise RuntimeError(f"the gateway's HTTP server on {self.address} did not start")
-            self._thread.join(step)
-            deadline -= step
+            self._thread.join(0.01)
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._server.should_exit
