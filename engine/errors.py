@@ -52,6 +52,8 @@ class ReplicaLostError(EngineError, RuntimeError):
     so the message tells the client to resume from its last saved checkpoint."""
 
     category = "server"
+    #: the dead actor's id ("" when Ray named none); None when the replica was only unreachable
+    died: str | None = None
 
 
 class StorageFullError(EngineError, OSError):

@@ -17,6 +17,9 @@ same way, so a session sticks to one replica and its adapter stays in that repli
 calls without a key go to any replica. Ray Serve's own routing cannot do this: its replicas are
 interchangeable and its model-multiplexing routing is best effort (a new key's first requests can
 land anywhere).
+
+A dead Trainer replica fails its models' calls at once instead of after its restart
+(`gateway.replica_loss.ReplicaLoss`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.errors import EngineError, ReplicaLostError
+from engine.errors import EngineError
 from engine.protocol import trainer_route_key
+from gateway.futures.kv import KV
+from gateway.replica_loss import NO_STATE, ReplicaLoss, replica_lost
 
 
 def pick_replica(n: int, key: str | None) -> int:
@@ -47,6 +52,16 @@ class EngineClient:
         in-process object or a Serve handle, or a list of them (one per replica)."""
         self._engines = engines
         self._ray = ray_handles
+        self._loss = ReplicaLoss()
+
+    def share_replica_deaths(self, kv: KV | None) -> None:
+        """Tell other gateway replicas about Trainer deaths through ``kv`` (Redis), and hear
+        theirs; None stops."""
+        self._loss.kv = kv
+
+    async def aclose(self) -> None:
+        """Finish publishing Trainer deaths (before the KV closes)."""
+        await self._loss.aclose()
 
     @property
     def base_models(self) -> list[str]:
@@ -67,7 +82,13 @@ class EngineClient:
         """Call the Trainer replica that holds the model named by ``args[0]`` (any replica for
         calls without a model id, e.g. ``info``)."""
         key = trainer_route_key(args[0]) if args and isinstance(args[0], str) else None
-        return await self._call(self._target(base_model, "trainer", key), method, args)
+        targets = self.replicas(base_model, "trainer")
+        index = pick_replica(len(targets), key)
+        if key is None or not self._ray or method in NO_STATE:
+            return await self._call(targets[index], method, args)
+        return await self._loss.call(
+            (base_model, index), key, method, self._call(targets[index], method, args)
+        )
 
     async def trainer_all(self, base_model: str, method: str, *args: Any) -> list[Any]:
         """Call every Trainer replica (e.g. ``stats``), in replica order."""
@@ -121,11 +142,9 @@ def _reraise_replica_lost(exc: Exception, method: str) -> None:
     """A Ray actor-death error as `ReplicaLostError` with what to do (raises), else return."""
     if not any(c.__name__ in _REPLICA_LOST for c in type(exc).__mro__):
         return
-    raise ReplicaLostError(
-        f"the engine replica running {method} stopped before answering (it is being restarted); "
-        "state it held in memory since your last save is lost: load your last checkpoint "
-        "(create_training_client_from_state / load_state) and resubmit from there"
-    ) from None
+    unavailable = any(c.__name__ == "ActorUnavailableError" for c in type(exc).__mro__)
+    died = None if unavailable else str(getattr(exc, "actor_id", None) or "unknown")
+    raise replica_lost(method, died) from None
 
 
 def _reraise_engine_error(exc: Exception) -> None:

@@ -69,6 +69,8 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
             shared=redis_url is not None,
         )
         app.state.futures.job_runner = lambda job: jobs.runner(engine_client, job)
+        if redis_url is not None:  # gateway replicas tell each other of dead Trainer replicas
+            engine_client.share_replica_deaths(app.state.kv)
         request_log = RequestLog(app.state.db_engine)
         app.state.futures.on_finish = request_log.record
         app.state.trace_builds = {}  # session id → the task building its trace file
@@ -107,6 +109,8 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
             await app.state.futures.aclose()
             with contextlib.suppress(Exception):
                 await request_log.flush()
+            engine_client.share_replica_deaths(None)
+            await engine_client.aclose()
             await app.state.kv.aclose()
             await app.state.quotas.aclose()
             app.state.db_engine.dispose()

@@ -55,6 +55,8 @@ LEASE_TTL_S = 5.0
 CLAIM_TTL_S = 60.0
 #: how often a claimant polls the shared KV for another replica's claim to become a future
 CLAIM_POLL_S = 0.02
+#: waits between tries of mirroring a finished record (a Redis restart takes ~1 s; 31 s in all)
+MIRROR_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 _CLAIM_PREFIX = b"claim:"
 
 
@@ -284,9 +286,10 @@ class FutureStore:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _mirror(self, rec: FutureRecord) -> None:
+    async def _mirror(self, rec: FutureRecord) -> bool:
+        """Write ``rec`` to the shared KV; False if that failed (logged)."""
         if not self._shared:
-            return
+            return True
         try:
             ttl = self.result_ttl_s if rec.done.is_set() else PENDING_TTL_S
             await self._kv.set(f"fut:{rec.request_id}", rec.to_bytes(), ttl)
@@ -300,6 +303,17 @@ class FutureStore:
                 )
         except Exception:  # the shared store is best effort; this replica still answers
             log.exception("could not mirror future %s to the shared store", rec.request_id)
+            return False
+        return True
+
+    async def _mirror_finished(self, rec: FutureRecord) -> None:
+        """Mirror a finished record, retrying: other replicas answer its retrieve_future from the
+        KV, and without this write they would see it pending (try_again) until PENDING_TTL_S."""
+        for delay in MIRROR_RETRY_S:
+            if await self._mirror(rec):
+                return
+            await asyncio.sleep(delay)
+        await self._mirror(rec)
 
     async def _drive(self, rec: FutureRecord, run: Callable[[], Awaitable[Result]]) -> None:
         await self._mirror(rec)
@@ -321,7 +335,7 @@ class FutureStore:
             rec.error = f"internal error while running {rec.kind}: {type(exc).__name__}"
             rec.category = "server"
         self._finish(rec)
-        await self._mirror(rec)
+        await self._mirror_finished(rec)
         if self.on_finish is not None and rec.extra.get("trace"):
             try:
                 await self.on_finish(rec)

@@ -1,0 +1,214 @@
+"""A dead Trainer replica fails its models' calls at once (gateway/engine_client.py, `ReplicaLoss`).
+
+Ray Serve retries a call that had not reached a replica when that replica died on the replica
+Serve starts next, so a step submitted just after a kill used to wait for the restart (36 s on a
+loaded CI host) to be told its adapter is gone. Here a Serve handle stand-in holds calls (as
+Serve's router does while it waits for a replica) and raises Ray's real actor-death errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from engine.errors import ReplicaLostError
+from gateway import replica_loss
+from gateway.engine_client import EngineClient, pick_replica
+from gateway.futures.kv import MemoryKV
+
+
+class _Replica:
+    """A Serve handle stand-in: ``fail[model] = exc`` makes calls about ``model`` raise ``exc``;
+    ``hold`` keeps every other call waiting until released. ``calls`` records what arrived."""
+
+    def __init__(self) -> None:
+        self.fail: dict[str, BaseException] = {}
+        self.hold = False
+        self.release = asyncio.Event()
+        self.calls: list[tuple[str, str]] = []
+        self.cancelled: list[tuple[str, str]] = []
+
+    def __getattr__(self, method: str):
+        replica = self
+
+        class _Method:
+            def remote(self, model: str, *args):
+                async def run():
+                    replica.calls.append((method, model))
+                    if model in replica.fail:
+                        raise replica.fail[model]
+                    if replica.hold:
+                        try:
+                            await replica.release.wait()
+                        except asyncio.CancelledError:
+                            replica.cancelled.append((method, model))
+                            raise
+                    return f"{method}:{model}"
+
+                return run()
+
+        return _Method()
+
+
+async def _soon(coro, within_s: float = 2.0):
+    t0 = time.monotonic()
+    try:
+        return await asyncio.wait_for(coro, within_s)
+    finally:
+        assert time.monotonic() - t0 < within_s
+
+
+def test_calls_waiting_on_a_replica_that_died_fail_at_once_and_later_ones_never_reach_it() -> None:
+    async def main() -> None:
+        replica = _Replica()
+        client = EngineClient({"m": {"trainer": replica}}, ray_handles=True)
+        assert await client.trainer("m", "create_adapter", "model-a") == "create_adapter:model-a"
+        replica.hold = True  # waiting, as in Serve's router while the replica is being replaced
+        waiting = asyncio.ensure_future(client.trainer("m", "optim_step", "model-a", 2))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        replica.fail["model-a"] = ActorDiedError()
+        with pytest.raises(ReplicaLostError, match="load your last checkpoint"):
+            await _soon(client.trainer("m", "forward_backward", "model-a", 3))
+        with pytest.raises(ReplicaLostError, match="optim_step"):
+            await _soon(waiting)
+        assert replica.cancelled == [("optim_step", "model-a")]  # not left queued in Serve
+        n = len(replica.calls)
+        with pytest.raises(ReplicaLostError, match="save_state"):
+            await _soon(client.trainer("m", "save_state", "model-a", 4))
+        assert len(replica.calls) == n  # failed here, without waiting for the new replica
+
+        # the new replica serves models made after the death, and a remade native model
+        replica.hold = False
+        del replica.fail["model-a"]
+        assert await client.trainer("m", "create_adapter", "model-b") == "create_adapter:model-b"
+        assert await client.trainer("m", "forward_backward", "model-b", 0) == (
+            "forward_backward:model-b"
+        )
+        native = "sess-1:tw-0123abcd"
+        await client.trainer("m", "native_create", native)
+        replica.fail[native] = ActorDiedError()
+        with pytest.raises(ReplicaLostError):
+            await client.trainer("m", "native_call", native)
+        del replica.fail[native]
+        assert await client.trainer("m", "native_create", native) == f"native_create:{native}"
+        assert await client.trainer("m", "native_call", f"{native}:lora") == (
+            f"native_call:{native}:lora"
+        )
+        # cleanup of a lost model still reaches the engine (nothing to fail fast there)
+        assert await client.trainer("m", "delete_adapter", "model-a") == "delete_adapter:model-a"
+
+    asyncio.run(main())
+
+
+def test_an_unreachable_replica_is_not_a_dead_one() -> None:
+    async def main() -> None:
+        replica = _Replica()
+        client = EngineClient({"m": {"trainer": replica}}, ray_handles=True)
+        await client.trainer("m", "create_adapter", "model-a")
+        replica.fail["model-a"] = ActorUnavailableError("network blip", None)
+        with pytest.raises(ReplicaLostError):
+            await client.trainer("m", "forward_backward", "model-a", 1)
+        del replica.fail["model-a"]
+        # the actor may still hold the adapter: the next call goes to it
+        assert await client.trainer("m", "forward_backward", "model-a", 1) == (
+            "forward_backward:model-a"
+        )
+
+    asyncio.run(main())
+
+
+def test_a_death_fails_only_the_models_of_that_replica() -> None:
+    async def main() -> None:
+        replicas = [_Replica(), _Replica()]
+        client = EngineClient({"m": {"trainer": replicas}}, ray_handles=True)
+        models = [f"model-{i}" for i in range(20)]
+        on = {m: pick_replica(2, m) for m in models}
+        a = next(m for m in models if on[m] == 0)
+        b = next(m for m in models if on[m] == 1)
+        for m in (a, b):
+            await client.trainer("m", "create_adapter", m)
+        replicas[0].fail[a] = ActorDiedError()
+        with pytest.raises(ReplicaLostError):
+            await client.trainer("m", "forward_backward", a, 1)
+        assert await client.trainer("m", "forward_backward", b, 1) == f"forward_backward:{b}"
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_call_cancels_its_engine_call() -> None:
+    async def main() -> None:
+        replica = _Replica()
+        client = EngineClient({"m": {"trainer": replica}}, ray_handles=True)
+        replica.hold = True
+        call = asyncio.ensure_future(client.trainer("m", "forward_backward", "model-a", 0))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0)
+        assert replica.cancelled == [("forward_backward", "model-a")]
+
+    asyncio.run(main())
+
+
+def _died(actor_id: str) -> ActorDiedError:
+    err = ActorDiedError()
+    err.actor_id = actor_id  # as Ray sets it from the actor's death context
+    return err
+
+
+def test_gateway_replicas_sharing_a_kv_hear_of_each_others_deaths(monkeypatch) -> None:
+    monkeypatch.setattr(replica_loss, "POLL_S", 0.05)
+
+    async def main() -> None:
+        replica, kv = _Replica(), MemoryKV()
+        a = EngineClient({"m": {"trainer": replica}}, ray_handles=True)
+        b = EngineClient({"m": {"trainer": replica}}, ray_handles=True)
+        for gw in (a, b):
+            gw.share_replica_deaths(kv)
+        await a.trainer("m", "create_adapter", "model-a")
+        await b.trainer("m", "forward_backward", "model-a", 0)
+        replica.hold = True
+        on_b = asyncio.ensure_future(b.trainer("m", "forward_backward", "model-a", 1))
+        await asyncio.sleep(0.2)  # b's poller has read the baseline and polled a few times
+        assert not on_b.done()
+        replica.fail["model-a"] = _died("actor-1")
+        with pytest.raises(ReplicaLostError):
+            await a.trainer("m", "optim_step", "model-a", 2)
+        with pytest.raises(ReplicaLostError):  # b saw no error itself: it read a's report
+            await _soon(on_b)
+        assert ("forward_backward", "model-a") in replica.cancelled
+        n = len(replica.calls)
+        with pytest.raises(ReplicaLostError):
+            await _soon(b.trainer("m", "save_state", "model-a", 3), within_s=0.5)
+        assert len(replica.calls) == n
+        await a.aclose()
+
+        # the same report read again, by a's and b's new lives, ends nothing
+        del replica.fail["model-a"]
+        replica.hold = False
+        await b.trainer("m", "create_adapter", "model-b")
+        replica.hold = True
+        waiting = [
+            asyncio.ensure_future(gw.trainer("m", "optim_step", "model-b", 1)) for gw in (a, b)
+        ]
+        await asyncio.sleep(0.3)
+        assert not any(w.done() for w in waiting)
+        replica.release.set()
+        assert [await w for w in waiting] == ["optim_step:model-b"] * 2
+
+        # a gateway replica started after the death reads it as old news
+        c = EngineClient({"m": {"trainer": replica}}, ray_handles=True)
+        c.share_replica_deaths(kv)
+        replica.release = asyncio.Event()
+        late = asyncio.ensure_future(c.trainer("m", "forward_backward", "model-b", 2))
+        await asyncio.sleep(0.3)
+        assert not late.done()
+        replica.release.set()
+        assert await late == "forward_backward:model-b"
+
+    asyncio.run(main())
