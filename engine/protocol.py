@@ -12,6 +12,7 @@ native-model host, engine/native/host.py, uses them).
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Mapping
@@ -26,6 +27,8 @@ from engine.errors import UserInputError
 DEFAULT_LR = 1e-4
 #: LoRA alpha used when the client does not choose one (Tinker's wire format has no alpha field).
 DEFAULT_LORA_ALPHA = 32.0
+#: the seeds a LoRA init (and a sampler) takes: signed 64-bit (inside torch generators' range)
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,13 @@ def lora_spec_from_config(config: Any) -> LoraSpec:
     for name, value in (("r", rank), ("lora_alpha", alpha), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserInputError(f"lora config: {name} {value!r} must be a number")
+        if not math.isfinite(value):  # int(inf) is an OverflowError; JSON may carry Infinity
+            raise UserInputError(f"lora config: {name} {value!r} must be finite")
     if rank != int(rank) or seed != int(seed):
         raise UserInputError("lora config: r and seed must be integers")
+    if not SEED_RANGE[0] <= int(seed) <= SEED_RANGE[1]:
+        # torch's generators and the gateway's 64-bit seed column take no more
+        raise UserInputError(f"lora config: seed {int(seed)} must fit a signed 64-bit integer")
     return LoraSpec(
         rank=int(rank), alpha=float(alpha), seed=int(seed), train_vision=vision, **flags
     )

@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import Depends, Path, Query, Request
 from sqlmodel import Session
 
+from engine.protocol import SEED_RANGE
 from gateway.accounts.keys import Principal, PrincipalDep
 from gateway.config import ServerConfig
 from gateway.db.tables import SamplingSessionRow, SessionRow, TrainingRunRow
@@ -54,6 +55,10 @@ async def get_settings(request: Request) -> Settings:
 #: offsets from a path or query string are bounded by it, so a larger one is a 400 from validation
 #: instead of an OverflowError in the driver (a 500; found by fuzzing)
 DB_INT_MAX = 2**63 - 1
+#: a seed (LoRA init, sampling) on the wire: the engine's range (signed 64-bit), which the
+#: training_runs.seed column holds (a larger one was a 500: 'integer out of range' on Postgres,
+#: already past 2**31 before migration 0006)
+SEED_MIN, SEED_MAX = SEED_RANGE
 #: the longest TTL a checkpoint or key may be given: 10 years (a larger one overflowed the expiry
 #: datetime: an OverflowError 500, found by fuzzing); None means no expiry
 MAX_TTL_S = 10 * 365 * 86400

@@ -14,7 +14,7 @@ import numbers
 import numpy as np
 
 from engine.errors import UserInputError
-from engine.protocol import SampleInput, SamplingParams
+from engine.protocol import SEED_RANGE, SampleInput, SamplingParams
 
 
 def is_int(v) -> bool:
@@ -72,6 +72,8 @@ def validate_sample_input(
         raise UserInputError(f"sampling_params.top_p: {p.top_p!r} must be in (0, 1]")
     if p.seed is not None and not is_int(p.seed):
         raise UserInputError(f"sampling_params.seed: {p.seed!r} must be an integer")
+    if p.seed is not None and not SEED_RANGE[0] <= int(p.seed) <= SEED_RANGE[1]:
+        raise UserInputError(f"sampling_params.seed: {p.seed} must fit a signed 64-bit integer")
     for t in p.stop_token_ids:
         if not is_int(t) or t < 0:
             raise UserInputError(f"sampling_params.stop: token id {t!r} must be an integer >= 0")

@@ -99,7 +99,8 @@ class TrainingRunRow(SQLModel, table=True):
     #: LoRA on a VL model's vision tower too (native clients opt in; Tinker's LoraConfig has no
     #: such switch)
     train_vision: bool = False
-    seed: int = 0
+    #: 64-bit: a Tinker LoraConfig seed is any int the wire allows (a signed 64-bit one)
+    seed: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
     user_metadata: dict[str, Any] = Field(
         default_factory=dict, sa_column=Column(JSON, nullable=False)
     )

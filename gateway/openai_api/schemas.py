@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.deps import SEED_MAX, SEED_MIN
+
 #: most choices per prompt (``n``) and most prompts per /v1/completions request
 MAX_N = 16
 MAX_PROMPTS = 32
@@ -54,7 +56,7 @@ class _Common(_Req):
     top_k: int | None = Field(default=None, ge=-1, description="extension (vLLM's): -1 = off")
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None

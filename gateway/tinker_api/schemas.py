@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from gateway.deps import MAX_TTL_S
+from gateway.deps import MAX_TTL_S, SEED_MAX, SEED_MIN
 
 
 class WireRequest(BaseModel):
@@ -47,7 +47,7 @@ class FinishSessionRequest(WireRequest):
 
 class LoraConfigWire(WireRequest):
     rank: int = Field(default=32, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -140,7 +140,7 @@ class ModelInputWire(WireRequest):
 
 class SamplingParamsWire(WireRequest):
     max_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | list[int] | None = None
     temperature: float = Field(1.0, ge=0)
     top_k: int = -1

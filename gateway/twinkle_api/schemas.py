@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.deps import SEED_MAX, SEED_MIN
+
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
@@ -35,7 +37,7 @@ class SamplingParamsWire(_Req):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | list[int] | None = None
     repetition_penalty: float = Field(default=1.0, description="only 1.0 (off) is served")
     num_samples: int | None = Field(default=None, ge=1, le=64)

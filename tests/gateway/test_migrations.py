@@ -48,7 +48,7 @@ TABLES = {
     # 0005_request_traces
     "request_traces",
 }
-HEAD = "0005_request_traces"
+HEAD = "0006_seed_bigint"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
