@@ -156,7 +156,8 @@ class CheckpointRow(SQLModel, table=True):
     name: str = Field(max_length=128)
     tinker_path: str = Field(unique=True, max_length=512)
     storage_dir: str = Field(max_length=1024)
-    size_bytes: int = 0
+    #: 64-bit: a LoRA of a large model with its AdamW state passes 2 GiB
+    size_bytes: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
     public: bool = False
     ephemeral: bool = False
     user_metadata: dict[str, Any] = Field(

@@ -48,7 +48,7 @@ TABLES = {
     # 0005_request_traces
     "request_traces",
 }
-HEAD = "0006_seed_bigint"
+HEAD = "0006_bigint_columns"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -280,3 +280,36 @@ def test_train_vision_migration_gives_existing_runs_false(db_url: str) -> None:
         conn.commit()
         assert conn.exec_driver_sql("SELECT count(*) FROM training_runs").scalar() == 1
     assert "train_vision" not in {c["name"] for c in _columns(db_url, "training_runs")}
+
+
+def test_bigint_migration_keeps_rows_and_takes_64_bit_values(db_url: str) -> None:
+    """0005 → 0006_bigint_columns on a database with a run and a checkpoint: both keep their
+    values, then a seed of 2**62 and a 5 GB checkpoint size store (on Postgres both were
+    'integer out of range' before)."""
+    with _migrating(db_url, "0005_request_traces") as (conn, cfg):
+        conn.exec_driver_sql(
+            "INSERT INTO sessions (id, user_id, tags, user_metadata, created_at, "
+            "last_heartbeat_at) VALUES ('s', 1, '[]', '{}', '2025-01-01', '2025-01-01')"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO training_runs (id, session_id, user_id, base_model, lora_rank, "
+            "train_attn, train_mlp, train_unembed, train_vision, seed, user_metadata, "
+            "created_at, last_request_time) VALUES ('s:train:0', 's', 1, 'm', 8, true, true, "
+            "true, false, 7, '{}', '2025-01-01', '2025-01-01')"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO checkpoints (run_id, user_id, kind, name, tinker_path, storage_dir, "
+            "size_bytes, public, ephemeral, user_metadata, created_at) VALUES ('s:train:0', 1, "
+            "'training', 'c', 'tinker://s:train:0/weights/c', '/x', 1234, false, false, '{}', "
+            "'2025-01-01')"
+        )
+        conn.commit()
+        command.upgrade(cfg, "0006_bigint_columns")
+        conn.commit()
+        assert conn.exec_driver_sql("SELECT seed FROM training_runs").scalar() == 7
+        assert conn.exec_driver_sql("SELECT size_bytes FROM checkpoints").scalar() == 1234
+        conn.exec_driver_sql(f"UPDATE training_runs SET seed = {2**62}")
+        conn.exec_driver_sql(f"UPDATE checkpoints SET size_bytes = {5 * 10**9}")
+        conn.commit()
+        assert conn.exec_driver_sql("SELECT seed FROM training_runs").scalar() == 2**62
+        assert conn.exec_driver_sql("SELECT size_bytes FROM checkpoints").scalar() == 5 * 10**9
