@@ -62,9 +62,12 @@ SEED_MIN, SEED_MAX = SEED_RANGE
 #: the longest TTL a checkpoint or key may be given: 10 years (a larger one overflowed the expiry
 #: datetime: an OverflowError 500, found by fuzzing); None means no expiry
 MAX_TTL_S = 10 * 365 * 86400
+#: the largest row id: id columns are INTEGER, 32-bit on Postgres (SERIAL), where comparing one
+#: with a larger number is 'integer out of range' (a 500, found by fuzzing on Postgres)
+ROW_ID_MAX = 2**31 - 1
 #: a row id in a path / an optional one in a query string, bounded as above
-PathRowId = Annotated[int, Path(ge=0, le=DB_INT_MAX)]
-QueryRowId = Annotated[int | None, Query(ge=0, le=DB_INT_MAX)]
+PathRowId = Annotated[int, Path(ge=0, le=ROW_ID_MAX)]
+QueryRowId = Annotated[int | None, Query(ge=0, le=ROW_ID_MAX)]
 
 DbDep = Annotated[Session, Depends(get_db)]
 EngineDep = Annotated[EngineClient, Depends(get_engine)]

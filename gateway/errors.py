@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import AdapterNotFoundError, EngineError, ReplicaLostError, StorageFullError
@@ -253,6 +253,16 @@ def is_db_unavailable(exc: BaseException) -> bool:
 
 
 async def _db_error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, DataError):
+        # A value the database refuses (Postgres: an integer past its column, a string past its
+        # length, a NUL byte in text): the request's input, not a fault. Fields are bounded on
+        # the wire where we know them; this is the net for the rest (found by fuzzing on
+        # Postgres). The driver's own message only: the statement and its parameters stay out.
+        reason = str(getattr(exc, "orig", None) or type(exc).__name__).splitlines()[0][:200]
+        log.info("database refused a value on %s %s: %s", request.method, request.url.path, reason)
+        return error_response(
+            request, 400, "invalid_request", f"a value in this request cannot be stored: {reason}"
+        )
     if not is_db_unavailable(exc):
         return await _unhandled_error(request, exc)
     log.warning(  # the type only: a statement's text and parameters stay out of the log

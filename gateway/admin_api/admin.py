@@ -26,6 +26,7 @@ from gateway.db.tables import ApiKeyRow, OrganizationRow, UserRow, utcnow
 from gateway.deps import (
     DB_INT_MAX,
     MAX_TTL_S,
+    ROW_ID_MAX,
     ConfigDep,
     DbDep,
     EngineDep,
@@ -56,9 +57,9 @@ class UserCreate(_Body):
 
 
 class KeyCreate(_Body):
-    # beyond a 64-bit key no user can exist, and the DB driver would raise (a 500 schemathesis
+    # beyond a row id no user can exist, and the DB driver would raise (a 500 schemathesis
     # found with user_id 1247877986610329089400941576192)
-    user_id: int = Field(ge=0, le=DB_INT_MAX)
+    user_id: int = Field(ge=0, le=ROW_ID_MAX)
     scope: str = "user"
     name: str | None = Field(default=None, max_length=128)
     expires_in_seconds: int | None = Field(default=None, gt=0, le=MAX_TTL_S)

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
 from gateway.db.tables import CheckpointRow, utcnow
-from gateway.deps import ConfigDep, DbDep, PrincipalDep, SecretsDep, owned_run
+from gateway.deps import ROW_ID_MAX, ConfigDep, DbDep, PrincipalDep, SecretsDep, owned_run
 from gateway.errors import (
     GoneError,
     InvalidRequestError,
@@ -148,8 +148,9 @@ async def download_external_weights(
     sig: str = Query(..., max_length=128),
 ) -> FileResponse:
     """No API key: the signature is the credential."""
-    # an id beyond a 64-bit key cannot exist (and SQLite would raise OverflowError: a 500)
-    ok_id = 0 < checkpoint_row_id < 2**63
+    # an id beyond a row id cannot exist (SQLite would raise OverflowError, Postgres 'integer
+    # out of range': a 500)
+    ok_id = 0 < checkpoint_row_id <= ROW_ID_MAX
     row = db.get(CheckpointRow, checkpoint_row_id) if ok_id else None
     if row is None or row.kind != "external" or filename not in export_files(row):
         raise NotFoundError("download: no such file")

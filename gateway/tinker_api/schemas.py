@@ -28,8 +28,9 @@ class CreateSessionRequest(WireRequest):
     tags: list[str] = Field(default_factory=list)
     user_metadata: dict[str, Any] | None = None
     sdk_version: str | None = None
-    project_id: str | None = None
-    display_name: str | None = None
+    # the columns' lengths (Postgres enforces them: a longer one was a 500)
+    project_id: str | None = Field(default=None, max_length=128)
+    display_name: str | None = Field(default=None, max_length=256)
 
 
 class SessionHeartbeatRequest(WireRequest):

@@ -79,7 +79,8 @@ async def create_session(
     row = SessionRow(
         id=f"sess-{uuid.uuid4().hex[:16]}",
         user_id=who.user_id,
-        sdk_version=req.sdk_version,
+        # informational, and the column holds 32 characters (Postgres enforces it)
+        sdk_version=req.sdk_version[:32] if req.sdk_version else None,
         tags=req.tags,
         user_metadata=req.user_metadata or {},
         project_id=req.project_id,

@@ -52,7 +52,9 @@ async def create_session(req: CreateSessionRequest, who: PrincipalDep, db: DbDep
     row = SessionRow(
         id=f"sess-{uuid.uuid4().hex[:16]}",
         user_id=who.user_id,
-        sdk_version=f"twinkle_client/{req.client_version}" if req.client_version else None,
+        # the column holds 32 characters (Postgres enforces it; the prefix takes 15): the rest of
+        # a long version string is informational only
+        sdk_version=f"twinkle_client/{req.client_version}"[:32] if req.client_version else None,
         tags=req.tags,
         user_metadata=req.metadata or {},
     )

@@ -1,4 +1,4 @@
-"""The whole HTTP API fuzzed against a real `twinkle serve` (its real DB and engine): schemathesis
+"""The whole HTTP API fuzzed against a real `twinkle serve` (its engine, on Postgres): schemathesis
 over /openapi.json (coverage, fuzzing and stateful phases) as a user and as an admin, so every
 operation is reached past auth; then our own generator over the protobuf and streaming routes.
 No 5xx, no response slower than the request timeout, and the server healthy afterwards.
@@ -32,6 +32,7 @@ from tinker import types
 
 from tests.e2e.conftest import start_server, stop_server
 from tests.e2e.fuzz_inputs import SEQ_EDGE, proto_bodies, stream_bodies
+from tests.gateway.harness import fresh_postgres_db
 
 pytestmark = pytest.mark.e2e
 BASE = "twinkle/tiny-chat"
@@ -48,8 +49,14 @@ _ADMIN_LOCKOUT = [
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tmp_path_factory: pytest.TempPathFactory):
-    srv, log = start_server(tmp_path_factory.mktemp("twinkle-fuzz"))
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory, postgres_url: str):
+    # On Postgres, the production database: it enforces what SQLite lets through (32-bit
+    # INTEGER ids, VARCHAR lengths, no NUL in text), each a 500 until fuzzed there; the values
+    # SQLite alone refuses (past 64 bits) are bounded on the wire for both
+    db = fresh_postgres_db(postgres_url)
+    srv, log = start_server(
+        tmp_path_factory.mktemp("twinkle-fuzz"), env={"TWINKLE_DATABASE_URL": db}
+    )
     yield srv
     stop_server(srv, log)
 
