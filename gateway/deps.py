@@ -51,9 +51,9 @@ async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-#: the largest integer a DB column or OFFSET holds (SQLite and Postgres: signed 64-bit). Ids and
-#: offsets from a path or query string are bounded by it, so a larger one is a 400 from validation
-#: instead of an OverflowError in the driver (a 500; found by fuzzing)
+#: the largest integer a BIGINT column or OFFSET holds (SQLite and Postgres: signed 64-bit).
+#: Offsets from a query string are bounded by it (row ids by ROW_ID_MAX below), so a larger one is
+#: a 400 from validation instead of an OverflowError in the driver (a 500; found by fuzzing)
 DB_INT_MAX = 2**63 - 1
 #: a seed (LoRA init, sampling) on the wire: the engine's range (signed 64-bit), which the
 #: training_runs.seed column holds (a larger one was a 500: 'integer out of range' on Postgres,

@@ -91,6 +91,10 @@ def test_ids_past_32_bits_are_a_400_on_postgres(pg, method, path, field) -> None
     client, _, headers = pg
     r = client.request(method, path, headers=headers)
     assert r.status_code == 400 and field in r.json()["detail"], (r.status_code, r.text)
+
+
+def test_a_key_for_a_user_id_past_32_bits_is_a_400_on_postgres(pg) -> None:
+    client, _, headers = pg
     r = client.post("/api/v1/admin/keys", json={"user_id": 2**31}, headers=headers)
     assert r.status_code == 400 and "user_id" in r.json()["detail"], r.text
 
