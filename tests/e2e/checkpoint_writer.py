@@ -2,8 +2,8 @@
 backend (`TransformersTrainingBackend.save_state` → `write_checkpoint_dir`), for the fault test
 that SIGKILLs it mid-write: ``python -m tests.e2e.checkpoint_writer DATA_DIR OUT_DIR``. It
 prints "saving" once the first save starts; saves go to OUT_DIR/ckpt-0, ckpt-1, ... It keeps
-the last 3 (older ones are deleted, so the loop never fills a disk) and stops by itself after 2000
-saves or when its parent is gone."""
+the last 3 (older ones are renamed to a hidden .deleted-* name, then deleted, so the loop never
+fills a disk) and stops by itself after 2000 saves or when its parent is gone."""
 
 from __future__ import annotations
 
@@ -28,7 +28,11 @@ def main(data_dir: str, out: str) -> None:
     parent = os.getppid()
     for i in range(2000):  # until killed
         backend.save_state("a", str(Path(out) / f"ckpt-{i}"), include_optimizer=True)
-        shutil.rmtree(Path(out) / f"ckpt-{i - 3}", ignore_errors=True)
+        old = Path(out) / f"ckpt-{i - 3}"
+        if old.exists():  # rename first: a kill mid-rmtree must not leave a torn listed dir
+            trash = Path(out) / f".deleted-{old.name}"
+            os.rename(old, trash)
+            shutil.rmtree(trash)
         if os.getppid() != parent:
             return
 

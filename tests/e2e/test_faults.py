@@ -115,7 +115,7 @@ def test_checkpoint_killed_mid_write_leaves_nothing_complete(tmp_path) -> None:
         for _ in range(400):  # kill while a temp dir exists (a save is mid-write)
             time.sleep(0.01)
             names = [p.name for p in out.iterdir()]
-            if any(n.startswith(".") for n in names) and len(names) > 2:
+            if any(".tmp-" in n for n in names) and len(names) > 2:
                 break
         t0 = time.monotonic()
     finally:
@@ -123,8 +123,14 @@ def test_checkpoint_killed_mid_write_leaves_nothing_complete(tmp_path) -> None:
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
-    listed = sorted(p for p in out.iterdir() if not p.name.startswith("."))
-    hidden = [p for p in out.iterdir() if p.name.startswith(".")]
+    # numeric order: by name, ckpt-10 sorts before ckpt-9 (CI once saw exactly that and then
+    # checked that ckpt-10, complete, did not exist)
+    listed = sorted(
+        (p for p in out.iterdir() if not p.name.startswith(".")),
+        key=lambda p: int(p.name.rsplit("-", 1)[1]),
+    )
+    # hidden: the save being written (.ckpt-N.tmp-*); the writer's own .deleted-* trash is not one
+    hidden = [p for p in out.iterdir() if p.name.startswith(".") and ".tmp-" in p.name]
     assert listed, "no save finished before the kill"
     for p in listed:  # every listed checkpoint is complete and loads
         files = ckpt.verify_manifest(p)
