@@ -259,6 +259,15 @@ class RayConfig(_Strict):
     object_store_memory_mb: int = Field(
         default=512, ge=64, description="Object store size, local Ray"
     )
+    housekeeping_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="Local Ray: the nice value of Ray's housekeeping processes (GCS, Serve "
+        "controller, dashboard, log monitor, the driver), so their bursts take less from the "
+        "replicas' compute on a small host (gateway/cli/housekeeping.py); 0 leaves them as "
+        "started",
+    )
 
 
 class EngineMetricsConfig(_Strict):

@@ -40,6 +40,7 @@ _prepare_env()
 
 from ray import serve  # noqa: E402
 
+from gateway.cli.housekeeping import lower_housekeeping  # noqa: E402
 from gateway.config import (  # noqa: E402
     ServerConfig,
     check_profile,
@@ -285,14 +286,21 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
             blocking=False,
         )
         install_handlers()
+        local = not address or address == "local"
+        nice = config.ray.housekeeping_nice if local else 0  # a joined cluster is not ours
+        lowered = lower_housekeeping(os.getpid(), nice)
+        log.info("housekeeping at nice %d: %s", nice, ", ".join(lowered) or "none")
         print(
             f"Twinkle ready at http://{config.host}:{config.port} "
             f"(models: {', '.join(m.name for m in config.models)}; "
             f"data: {settings.data_dir}; started in {time.monotonic() - t0:.1f}s)",
             flush=True,
         )
+        ticks = 0
         while not stop.wait(0.5):
-            pass
+            ticks += 1
+            if ticks % 60 == 0:  # every 30 s: a restarted controller or agent starts at nice 0
+                lower_housekeeping(os.getpid(), nice)
         print("Twinkle draining...", flush=True)
         _drain(config)
         print("Twinkle shutting down...", flush=True)

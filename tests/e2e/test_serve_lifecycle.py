@@ -62,6 +62,22 @@ def _session_members(sid: int) -> list[str]:
     return found
 
 
+def _nice_values(sid: int) -> dict[str, set[int]]:
+    """{process name: the nice values of its threads} for session ``sid``."""
+    out: dict[str, set[int]] = {}
+    for pid in _session_pids(sid):
+        try:
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+            name = argv[0].decode().split()[0]
+            if not name.startswith("ray::"):
+                name = " ".join(Path(a.decode()).name for a in argv[:3])
+            tids = [int(t.name) for t in (Path("/proc") / str(pid) / "task").iterdir()]
+            out.setdefault(name, set()).update(os.getpriority(os.PRIO_PROCESS, t) for t in tids)
+        except (OSError, IndexError):
+            continue
+    return out
+
+
 def _listener_commands(port: int) -> list[str]:
     """The process names (``ray::ProxyActor``, ``ray::ServeRepli``...) listening on ``port``."""
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
@@ -159,6 +175,19 @@ def test_sigterm_shuts_down_ray_completely(tmp_path):
         else:
             pytest.fail("server not ready")
         assert len(_session_members(proc.pid)) > 3  # driver + gcs + raylet + replicas
+        # ray.housekeeping_nice (10): Ray's housekeeping processes run at nice 10 (threads Ray
+        # itself put at 15, a worker's task threads, stay there: a nice value is only raised);
+        # the replicas and the raylet (whose future workers inherit its value) are untouched
+        deadline = time.monotonic() + 30  # applied just after the deploy, before "ready"
+        while 10 not in (nice := _nice_values(proc.pid)).get("ray::ServeController", set()):
+            assert time.monotonic() < deadline, nice
+            time.sleep(0.5)
+        assert nice["ray::ServeController"] <= {10, 15}, nice
+        assert next(v for k, v in nice.items() if k.startswith("gcs_server")) == {10}, nice
+        for name in ("ray::ServeReplica:twinkle:gateway", "ray::ServeReplica:twinkle:trainer"):
+            replica = set().union(*(v for k, v in nice.items() if k.startswith(name)))
+            assert replica and replica <= {0, 15}, nice  # as Ray started them
+        assert set().union(*(v for k, v in nice.items() if k.startswith("raylet"))) == {0}, nice
         if shutil.which("ss"):
             assert _non_loopback_listeners(_session_pids(proc.pid)) == []
             # gateway.ingress: direct (the default): the gateway replica itself listens, and no
