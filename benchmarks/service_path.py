@@ -14,7 +14,8 @@ cross-entropy) run both ways on the same cores:
   the cores this process may use: the floor;
 * ``service``: the unmodified Tinker SDK (``forward_backward`` + ``optim_step`` queued, then both
   ``.result()``, as tinker-cookbook's sl_loop does) against a ``twinkle serve`` started here with
-  that model, one tenant; one server per variant (Trainer threads, gateway ingress, environment).
+  that model, one tenant; one server per variant (Trainer threads, gateway ingress, environment,
+  config lines: ``--config-variants``).
 
 Paired rounds: all servers start first; each round is a bare block, then every variant's block
 (``--steps`` each), with every server but the measured one SIGSTOPped (a paused server uses no
@@ -167,10 +168,11 @@ def start_server(
     metrics: bool = True,
     ingress: str = "direct",
     extra_env: dict | None = None,
+    extra_yaml: str = "",
 ) -> tuple[subprocess.Popen, str, dict, float]:
     """A `twinkle serve` of ``path`` as ``name`` (Trainer torch threads: ``threads``, None = the
-    server's default; ``metrics``: Prometheus metrics on or off; ``ingress``: the gateway's):
-    (process, url, env, seconds to ready)."""
+    server's default; ``metrics``: Prometheus metrics on or off; ``ingress``: the gateway's;
+    ``extra_yaml``: top-level config lines added): (process, url, env, seconds to ready)."""
     port = _free_port()
     config = work / "server.yaml"
     trainer = f"    trainer: {{torch_threads: {threads}}}\n" if threads else ""
@@ -179,7 +181,7 @@ def start_server(
     off = "" if metrics else "engine_metrics: {enabled: false}\n"
     config.write_text(
         f"models:\n  - name: {name}\n    path: {path}\n    max_lora_rank: {RANK}\n"
-        "    execution: sequential\n" + trainer + gateway + off
+        "    execution: sequential\n" + trainer + gateway + off + extra_yaml.strip() + "\n"
     )
     return start_server_config(config, work, port, extra_env)
 
@@ -361,6 +363,7 @@ class Variant:
     metrics: bool
     ingress: str
     env: dict[str, str]
+    yaml: str = ""
     proc: subprocess.Popen | None = None
     url: str = ""
     ready_s: float = 0.0
@@ -380,7 +383,7 @@ def run(
     name: str,
     steps: int,
     warmup: int,
-    variants: list[tuple[int | None, bool, str, dict[str, str]]],
+    variants: list[tuple[int | None, bool, str, dict[str, str], str]],
     scrape_s: float = 1.0,
     rounds: int = 3,
 ) -> list[dict]:
@@ -394,7 +397,7 @@ def run(
     apart), and tokens/s are summed over all rounds."""
     work = Path(tempfile.mkdtemp(prefix=f"svc-{name}-"))
     rows = []
-    vs = [Variant(t, m, i, e, times=[], ratios=[]) for t, m, i, e in variants]
+    vs = [Variant(t, m, i, e, y, times=[], ratios=[]) for t, m, i, e, y in variants]
     try:
         path, served = model_dir(name, work)
         vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size"))
@@ -405,7 +408,7 @@ def run(
             vdir = work / f"v{k}"
             vdir.mkdir()
             v.proc, v.url, env, v.ready_s = start_server(
-                path, served, vdir, v.threads, v.metrics, v.ingress, v.env
+                path, served, vdir, v.threads, v.metrics, v.ingress, v.env, v.yaml
             )
             key = subprocess.run(
                 [TWINKLE, "keys", "create", "--user", "bench"],
@@ -451,6 +454,7 @@ def run(
                     "metrics": v.metrics,
                     "ingress": v.ingress,
                     "server_env": v.env,
+                    "server_yaml": v.yaml,
                     "scrapes": v.scraper.stop() if v.scraper else 0,
                     "batch": [b, t],
                     "steps": steps,
@@ -510,6 +514,12 @@ def main() -> None:
         "pairs ('' = the server's defaults), e.g. 'RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.1|'",
     )
     ap.add_argument(
+        "--config-variants",
+        default="",
+        help="server config lines to compare, '|'-separated, each added to the server's YAML "
+        "('' = none), e.g. 'ray: {housekeeping_nice: 0}|ray: {housekeeping_nice: 10}'",
+    )
+    ap.add_argument(
         "--compare-metrics",
         action="store_true",
         help="the service with Prometheus metrics on (scraped every second), then off",
@@ -530,9 +540,10 @@ def main() -> None:
     threads = [None if v == "default" else int(v) for v in a.trainer_threads.split(",")]
     ingresses = a.ingress.split(",")
     envs = [dict(kv.split("=", 1) for kv in e.split()) for e in a.env_variants.split("|")]
-    variants = [(t, True, i, e) for e in envs for i in ingresses for t in threads]
+    yamls = a.config_variants.split("|")
+    variants = [(t, True, i, e, y) for y in yamls for e in envs for i in ingresses for t in threads]
     if a.compare_metrics:
-        variants = [(threads[-1], m, ingresses[0], envs[0]) for m in (True, False)]
+        variants = [(threads[-1], m, ingresses[0], envs[0], yamls[0]) for m in (True, False)]
         if a.metrics_first == "off":
             variants.reverse()
     rows = []
@@ -580,6 +591,7 @@ def main() -> None:
         print(
             f"\n{r['model']}, ingress {r['ingress']}, Trainer threads {r['trainer_threads']}"
             + (f", env {env}" if env else "")
+            + (f", config {r['server_yaml']}" if r["server_yaml"] else "")
             + f": ratio {r['ratio']:.3f}; per round min / median / max {rr}"
         )
         print("  per timed step, seconds:")

@@ -7,8 +7,9 @@ and the ``twinkle serve`` driver itself. At rest they use 0.05-0.1 cores (benchm
 ``background_load.py``: controller 21-36 ms/s, GCS 12-20, ...), in short bursts. On a small
 CPU host a burst that takes a core stalls both of the Trainer's torch threads (they meet at a
 barrier after every parallel op), so it costs training about twice its CPU share. With these
-processes at nice 10 the 25 M model's service path went from 0.82-0.83 to 0.85-0.88 of a bare
-loop on 2 cores (three paired runs, ``service_path.py``).
+processes at nice 10 the 25 M model's service path gained 1-5 points against a bare loop on 2
+cores (0.82-0.84 -> 0.85-0.88, four paired runs of ``service_path.py``) and the tiny model's fixed
+cost per step fell from 0.053 to 0.037 s.
 
 Ray's own priorities, for reference: it starts every worker (replicas included) with its task
 threads at nice 15 and its service threads at 0, and its system processes at 0, so that busy
