@@ -68,7 +68,11 @@ def housekeeping_name(argv: list[str]) -> str | None:
 def descendants(root: int) -> list[int]:
     """Every live process below ``root`` (children, their children, ...)."""
     children: dict[int, list[int]] = {}
-    for entry in PROC.iterdir():
+    try:
+        entries = list(PROC.iterdir())
+    except OSError:  # a /proc this process may not list (a locked-down container): do nothing
+        return []
+    for entry in entries:
         if entry.name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 children.setdefault(_ppid(int(entry.name)), []).append(int(entry.name))
@@ -84,7 +88,11 @@ def set_nice(pid: int, nice: int) -> int:
     """Raise the nice value of every thread of ``pid`` to ``nice`` (never lower it): the number
     of threads changed."""
     changed = 0
-    for task in (PROC / str(pid) / "task").iterdir():
+    try:
+        tasks = list((PROC / str(pid) / "task").iterdir())
+    except OSError:  # it exited meanwhile
+        return 0
+    for task in tasks:
         with contextlib.suppress(OSError, ValueError):
             tid = int(task.name)
             if os.getpriority(os.PRIO_PROCESS, tid) < nice:

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli.housekeeping import descendants, housekeeping_name, lower_housekeeping
+from gateway.cli.housekeeping import (
+    descendants,
+    housekeeping_name,
+    lower_housekeeping,
+    set_nice,
+)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux /proc")
 
@@ -99,3 +104,11 @@ def test_lower_housekeeping_renices_every_thread_of_the_right_processes() -> Non
                 os.kill(pid, 9)
         tree.kill()
         tree.wait()
+
+
+def test_a_process_gone_meanwhile_is_skipped() -> None:
+    """Processes come and go while the tree is walked: one that exited is no error."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert set_nice(gone.pid, 10) == 0
+    assert descendants(gone.pid) == []
