@@ -126,7 +126,8 @@ def test_fused_training_pass_gradients_and_steps_match(pair) -> None:
             assert mg.has_pending_grad(aid)
             n_tf = tf.optim_step(aid, ADAM).metrics
             n_mg = mg.optim_step(aid, ADAM).metrics
-            assert n_mg["grad_norm"] == pytest.approx(n_tf["grad_norm"], rel=1e-5), (step, aid)
+            # float32 norms of differently ordered sums (1.3e-5 apart once in CI, another test)
+            assert n_mg["grad_norm"] == pytest.approx(n_tf["grad_norm"], rel=1e-4), (step, aid)
             assert n_mg["step"] == n_tf["step"]
 
 
@@ -154,9 +155,14 @@ def test_bad_item_fails_alone_and_gradient_survives(pair) -> None:
         mg.optim_step("r2", ADAM)
 
 
-def _continue(be, aid: str, items) -> tuple[float, float]:
+def _continue(be, aid: str, items) -> tuple[float, float, float]:
+    """One more step from a loaded state: (its loss, its grad norm, the loss after its Adam
+    update, forward only). The last one depends on the restored moments and step count."""
     out = be.forward_backward(aid, items)
-    return out.metrics["loss:sum"], be.optim_step(aid, ADAM).metrics["grad_norm"]
+    norm = be.optim_step(aid, ADAM).metrics["grad_norm"]
+    probe = copy.deepcopy(items)
+    probe.forward_only = True
+    return out.metrics["loss:sum"], norm, be.forward_backward(aid, probe).metrics["loss:sum"]
 
 
 @pytest.mark.parametrize("direction", ["megatron->transformers", "transformers->megatron"])
@@ -179,7 +185,9 @@ def test_checkpoints_cross_backends_with_optimizer(
     a = _continue(fresh_src, aid, nxt)
     b = _continue(fresh, "moved", nxt)
     assert b[0] == pytest.approx(a[0], rel=1e-5, abs=1e-5)
-    assert b[1] == pytest.approx(a[1], rel=1e-5)
+    # a float32 norm over the two backends' differently ordered sums: CI once measured 1.3e-5
+    assert b[1] == pytest.approx(a[1], rel=1e-4)
+    assert b[2] == pytest.approx(a[2], rel=1e-5, abs=1e-5)  # the same Adam update
     fresh.delete_adapter("moved")
 
 
