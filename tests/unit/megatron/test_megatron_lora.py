@@ -187,7 +187,9 @@ def test_checkpoints_cross_backends_with_optimizer(
     assert b[0] == pytest.approx(a[0], rel=1e-5, abs=1e-5)
     # a float32 norm over the two backends' differently ordered sums: CI once measured 1.3e-5
     assert b[1] == pytest.approx(a[1], rel=1e-4)
-    assert b[2] == pytest.approx(a[2], rel=1e-5, abs=1e-5)  # the same Adam update
+    # the same Adam update: CI measured 1.4e-5 apart (Adam's m/sqrt(v) scales the gradients'
+    # float32 noise up where they are tiny); without the optimizer state it is 78.6 vs 65.6
+    assert b[2] == pytest.approx(a[2], rel=1e-3)
     fresh.delete_adapter("moved")
 
 
