@@ -104,12 +104,11 @@ def set_nice(pid: int, nice: int) -> int:
 def lower_housekeeping(root: int, nice: int, include_root: bool = True) -> list[str]:
     """Set ``nice`` on Ray's housekeeping processes below ``root`` (and on ``root``, the driver,
     with ``include_root``): the names of the processes changed. No-op where there is no /proc
-    or ``nice`` is 0."""
-    if nice <= 0 or not (PROC / "self").exists():
+    (nothing lists) or ``nice`` is 0."""
+    if nice <= 0:
         return []
     done = []
-    pids = descendants(root)
-    for pid in pids:
+    for pid in descendants(root):
         with contextlib.suppress(OSError):
             name = housekeeping_name(_argv(pid))
             if name and set_nice(pid, nice):

@@ -209,7 +209,8 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
     check_replicas_share_state(settings.redis_url, config)
     check_profile(settings.database_url, settings.redis_url, config)
     address = config.ray.address or os.environ.get("RAY_ADDRESS") or None
-    if not address or address == "local":  # the gateway will listen here: fail fast
+    local = not address or address == "local"  # Ray's own spelling of "start a private one"
+    if local:  # the gateway will listen here: fail fast
         from engine.errors import ConfigError
         from gateway.direct_http import PortInUseError, check_port_free
 
@@ -246,7 +247,7 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
 
     install_handlers()
     t0 = time.monotonic()
-    if address and address != "local":  # Ray's own spelling of "start a private one"
+    if not local:
         ray.init(address=address, logging_level=logging.ERROR)
         alive = [n for n in ray.nodes() if n.get("Alive")]
         cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in alive)
@@ -286,7 +287,6 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
             blocking=False,
         )
         install_handlers()
-        local = not address or address == "local"
         nice = config.ray.housekeeping_nice if local else 0  # a joined cluster is not ours
         lowered = lower_housekeeping(os.getpid(), nice)
         log.info("housekeeping at nice %d: %s", nice, ", ".join(lowered) or "none")
