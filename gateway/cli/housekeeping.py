@@ -59,7 +59,9 @@ def housekeeping_name(argv: list[str]) -> str | None:
     if not argv or not argv[0]:
         return None
     if argv[0].startswith("ray::"):
-        name = argv[0].split()[0]
+        # while a worker runs a method, Ray retitles it ray::Class.method (the controller is
+        # "ray::ServeController.listen_for_change" much of the time)
+        name = argv[0].split()[0].split(".")[0]
         return name if name in HOUSEKEEPING else None
     # a program (gcs_server) or a script run by python (python -u .../log_monitor.py --...)
     return next((Path(a).name for a in argv[:3] if Path(a).name in HOUSEKEEPING), None)

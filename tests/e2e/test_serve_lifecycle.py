@@ -68,7 +68,7 @@ def _nice_values(sid: int) -> dict[str, set[int]]:
     for pid in _session_pids(sid):
         try:
             argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
-            name = argv[0].decode().split()[0]
+            name = argv[0].decode().split()[0].split(".")[0]  # ray::Class.method while it runs
             if not name.startswith("ray::"):
                 name = " ".join(Path(a.decode()).name for a in argv[:3])
             tids = [int(t.name) for t in (Path("/proc") / str(pid) / "task").iterdir()]

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs L
     [
         (["ray::ServeController", ""], "ray::ServeController"),
         (["ray::DashboardAgent"], "ray::DashboardAgent"),
+        (["ray::ServeController.listen_for_change"], "ray::ServeController"),  # mid-method
         (
             ["/v/lib/python3.11/site-packages/ray/core/src/ray/gcs/gcs_server", "--log_dir=/x"],
             "gcs_server",
