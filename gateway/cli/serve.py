@@ -32,6 +32,11 @@ def _prepare_env() -> None:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # Ray's log monitor re-globs the log folder on each of its 10 passes a second while the
+        # folder holds fewer than this many files; at 0 it does so every 0.5 s
+        # (LOG_NAME_UPDATE_INTERVAL_S), so a new worker's output reaches our log <= 0.5 s later
+        # and the idle monitor uses 6.5 -> ~3 ms of CPU per second
+        "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     }.items():
         os.environ.setdefault(key, value)
 
@@ -40,6 +45,7 @@ _prepare_env()
 
 from ray import serve  # noqa: E402
 
+from gateway.cli import controller_loop  # noqa: E402
 from gateway.cli.housekeeping import lower_housekeeping  # noqa: E402
 from gateway.config import (  # noqa: E402
     ServerConfig,
@@ -53,6 +59,8 @@ log = logging.getLogger("twinkle.serve")
 APP_NAME = "twinkle"
 #: Ray internal-KV keys of the drain: the flag the driver sets, and the prefix under which each
 #: gateway replica publishes {"pending": n, "t": wall time} while it drains
+#: Serve calls the function at this import path in its controller's process as it starts
+CONTROLLER_CALLBACK = "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH"
 DRAIN_FLAG = b"twinkle:drain"
 DRAIN_STATUS = b"twinkle:drain-status:"
 #: how often a gateway replica looks at the flag and the driver at the replicas' counts
@@ -195,6 +203,23 @@ def _clear_drain_keys() -> None:
     kv._internal_kv_del(DRAIN_STATUS, del_by_prefix=True)
 
 
+def _quiet_controller(interval_s: float) -> None:
+    """Serve's controller of the local Ray we start skips its reconcile passes while Serve is
+    quiet (gateway/cli/controller_loop.py). Ray's processes inherit this environment."""
+    if interval_s <= 0:
+        return
+    callback = os.environ.get(CONTROLLER_CALLBACK)
+    if callback and callback != controller_loop.IMPORT_PATH:
+        log.warning(
+            "%s is set (%s): Serve's control loop left as Ray runs it",
+            CONTROLLER_CALLBACK,
+            callback,
+        )
+        return
+    os.environ[CONTROLLER_CALLBACK] = controller_loop.IMPORT_PATH
+    os.environ[controller_loop.ENV] = f"{interval_s:g}"
+
+
 def serve_main(config_path: str | None, host: str | None, port: int | None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -253,6 +278,7 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
         cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in alive)
         print(f"Joined the Ray cluster at {address}: {len(alive)} node(s), {cpus:g} CPUs")
     else:
+        _quiet_controller(config.ray.serve_quiet_loop_s)
         # "local", not None: with None, Ray would join whatever cluster `ray start` last recorded
         # in /tmp/ray/ray_current_cluster (another user's, or a dead one) instead of our own.
         ray.init(

@@ -1,0 +1,44 @@
+"""gateway/cli/controller_loop.py inside a real Serve controller (a real local Ray, in its own
+process: tests/e2e/quiet_controller_probe.py): while Serve is quiet the controller skips
+control-loop passes, and a deploy, a delete, a dead replica and a shutdown are still handled at
+Ray's pace.
+
+The probe runs with a 5 s quiet interval (the default is 1 s) so that a wrapper that kept
+skipping while Serve is busy could not pass: every stage of a deploy or a shutdown waits for
+the next pass, so each would take 5 s or more instead of ~1 s."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+PROBE = Path(__file__).with_name("quiet_controller_probe.py")
+
+
+def test_quiet_controller_skips_passes_and_keeps_deploys_and_shutdown_fast() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # installed through Serve's controller callback, and it skipped passes while quiet: 8 s of
+    # 0.1 s ticks, quiet from 5 s after the deploy, so ~25 skips (none before that)
+    assert out["skipped_after_deploy"] == 0, out
+    assert out["skipped_idle"] >= 10, out
+    # what must keep Ray's 0.1 s pace (typically ~1-2 s each here; a 5 s wait per pass would
+    # make each of them take 10 s or more)
+    assert out["redeploy_s"] < 6, out
+    assert out["delete_s"] < 6, out
+    assert out["shutdown_s"] < 6, out
+    # a replica killed while quiet is found by the next full pass (<= 5 s here) and replaced
+    assert out["replace_s"] < 25, out
