@@ -37,6 +37,10 @@ def _prepare_env() -> None:
         # (LOG_NAME_UPDATE_INTERVAL_S), so a new worker's output reaches our log <= 0.5 s later
         # and the idle monitor uses 6.5 -> ~3 ms of CPU per second
         "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+        # Serve's replicas and routers hand their cached request metrics (ray_serve_*, which
+        # Prometheus reads every 15 s; autoscaling has its own push) to Ray's metric API every
+        # 1 s instead of every 0.1 s: ~3 ms of CPU per second less per idle replica
+        "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
     }.items():
         os.environ.setdefault(key, value)
 
