@@ -40,5 +40,6 @@ def test_quiet_controller_skips_passes_and_keeps_deploys_and_shutdown_fast() -> 
     assert out["redeploy_s"] < 6, out
     assert out["delete_s"] < 6, out
     assert out["shutdown_s"] < 6, out
-    # a replica killed while quiet is found by the next full pass (<= 5 s here) and replaced
-    assert out["replace_s"] < 25, out
+    # a replica killed while quiet is found by full passes (about two: <= 10 s here) and
+    # replaced (measured 13.7 s here, against 2.4 s with Ray's loop)
+    assert out["replace_s"] < 40, out
