@@ -114,7 +114,9 @@ def load_cost(bare: sp.Bare, data: list, rounds: int) -> dict[str, list[float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="medium")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument(
+        "--rounds", type=int, default=6, help="rounds of the load part (0: the idle CPU only)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="bare steps per block")
     ap.add_argument("--idle-seconds", type=float, default=15.0)
     a = ap.parse_args()
@@ -131,6 +133,8 @@ def main() -> None:
                 print(f"{name:50} {ms:6.1f}")
         print(f"{'total':50} {total:6.1f}  (= {total / 1e3:.3f} cores)")
 
+        if a.rounds <= 0:  # the idle server's CPU only
+            continue
         bare = sp.Bare(path)
         b, t = sp.SHAPE[m]
         data = sp.batches(bare.model.config.vocab_size, b, t, a.steps + 2)
