@@ -222,6 +222,7 @@ def _quiet_controller(interval_s: float) -> None:
         return
     os.environ[CONTROLLER_CALLBACK] = controller_loop.IMPORT_PATH
     os.environ[controller_loop.ENV] = f"{interval_s:g}"
+    log.info("Serve's controller: a full reconcile every %gs while Serve is quiet", interval_s)
 
 
 def serve_main(config_path: str | None, host: str | None, port: int | None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -76,6 +77,16 @@ def _nice_values(sid: int) -> dict[str, set[int]]:
         except (OSError, IndexError):
             continue
     return out
+
+
+def _gcs_log_dir(sid: int) -> Path:
+    """The log folder of the Ray session whose GCS is in session ``sid`` (its --log_dir)."""
+    for pid in _session_pids(sid):
+        with contextlib.suppress(OSError):
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+            if argv and argv[0].endswith("gcs_server"):
+                return Path(next(a for a in argv if a.startswith("--log_dir=")).split("=", 1)[1])
+    raise AssertionError("no GCS in the server's session")
 
 
 def _listener_commands(port: int) -> list[str]:
@@ -188,6 +199,17 @@ def test_sigterm_shuts_down_ray_completely(tmp_path):
             replica = set().union(*(v for k, v in nice.items() if k.startswith(name)))
             assert replica and replica <= {0, 15}, nice  # as Ray started them
         assert set().union(*(v for k, v in nice.items() if k.startswith("raylet"))) == {0}, nice
+        # ray.serve_quiet_loop_s (1.0): Serve's controller runs gateway/cli/controller_loop.py,
+        # which `twinkle serve` installs through Serve's controller callback; it says so in the
+        # controller's log (in the Ray session's log folder, from the GCS's --log_dir)
+        log_dir = _gcs_log_dir(proc.pid)
+        deadline = time.monotonic() + 30
+        while not any(
+            "a full control-loop pass every 1s while Serve is quiet" in f.read_text()
+            for f in (log_dir / "serve").glob("controller_*.log")
+        ):
+            assert time.monotonic() < deadline, sorted((log_dir / "serve").glob("*"))
+            time.sleep(0.5)
         if shutil.which("ss"):
             assert _non_loopback_listeners(_session_pids(proc.pid)) == []
             # gateway.ingress: direct (the default): the gateway replica itself listens, and no
