@@ -66,8 +66,8 @@ def main() -> None:
                     break
             except Exception:  # the dead replica, or none yet
                 pass
-            if time.monotonic() - t0 > 60:
-                raise SystemExit("the killed replica was not replaced in 60 s")
+            if time.monotonic() - t0 > 150:
+                raise SystemExit("the killed replica was not replaced in 150 s")
             time.sleep(0.2)
         out["replace_s"] = time.monotonic() - t0
         time.sleep(7)
