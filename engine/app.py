@@ -19,7 +19,13 @@ import re
 from ray import serve
 from ray.serve.deployment import Application
 
-from engine.config import EngineConfig, EngineMetricsConfig, ModelConfig, ReplicaConfig
+from engine.config import (
+    SHUTDOWN_WAIT_LOOP_S,
+    EngineConfig,
+    EngineMetricsConfig,
+    ModelConfig,
+    ReplicaConfig,
+)
 from engine.sampler import Sampler
 from engine.storage import SharedDirStorage
 from engine.telemetry.exporter import clear_targets
@@ -66,6 +72,7 @@ def trainer_app(
         name=name,
         num_replicas=1,
         max_ongoing_requests=MAX_ONGOING,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
         ray_actor_options=actor_options(model.trainer),
     ).bind(
         model.model_dump(),
@@ -89,6 +96,7 @@ def sampler_app(
         name=name,
         num_replicas=1,
         max_ongoing_requests=MAX_ONGOING,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,
         ray_actor_options=actor_options(model.sampler),
     ).bind(model.model_dump(), data_dir, telemetry=_telemetry(metrics, name), storage_id=storage_id)
 

@@ -47,11 +47,18 @@ router = APIRouter(prefix="/api/v1")
 
 class Drain:
     """One replica's drain state. ``pending`` reports the work accepted and not finished (the
-    future store's pending count); `twinkle serve` waits for it to reach 0."""
+    future store's pending count), ``uncollected`` the finished results no client has retrieved
+    yet; `twinkle serve` waits for the first to reach 0, then briefly for the second."""
 
-    def __init__(self, retry_after_s: int, pending: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        retry_after_s: int,
+        pending: Callable[[], int] = lambda: 0,
+        uncollected: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.retry_after_s = retry_after_s
         self.pending = pending
+        self.uncollected = uncollected
         self.since: float | None = None
 
     @property
@@ -63,7 +70,11 @@ class Drain:
             self.since = time.monotonic()
 
     def status(self) -> dict:
-        return {"draining": self.draining, "pending": self.pending()}
+        return {
+            "draining": self.draining,
+            "pending": self.pending(),
+            "uncollected": self.uncollected(),
+        }
 
 
 class DrainMiddleware:

@@ -133,6 +133,7 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     app.state.drain = Drain(
         config.drain_retry_after_seconds,
         lambda: app.state.futures.pending_count() if hasattr(app.state, "futures") else 0,
+        lambda: app.state.futures.uncollected_count() if hasattr(app.state, "futures") else 0,
     )
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(

@@ -49,6 +49,7 @@ _prepare_env()
 
 from ray import serve  # noqa: E402
 
+from engine.config import SHUTDOWN_WAIT_LOOP_S  # noqa: E402
 from gateway.cli import controller_loop  # noqa: E402
 from gateway.cli.housekeeping import lower_housekeeping  # noqa: E402
 from gateway.config import (  # noqa: E402
@@ -67,10 +68,13 @@ APP_NAME = "twinkle"
 CONTROLLER_CALLBACK = "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH"
 DRAIN_FLAG = b"twinkle:drain"
 DRAIN_STATUS = b"twinkle:drain-status:"
-#: how often a gateway replica looks at the flag and the driver at the replicas' counts
+#: how often a gateway replica looks at the drain flag (one GCS read; it runs all the time)
 DRAIN_POLL_S = 0.5
-#: after the last in-flight future finished, how long the driver keeps the gateway up so clients
-#: long-polling retrieve_future collect the result (a poll answers within milliseconds)
+#: while draining: how often a replica publishes its counts and the driver reads them
+DRAIN_REPORT_S = 0.1
+#: after the last in-flight future finished, how long the driver keeps the gateway up at most so
+#: clients collect finished results they have not retrieved yet (a long poll answers within
+#: milliseconds); with none left to collect it stops at once (it used to wait all 2 s)
 DRAIN_COLLECT_S = 2.0
 #: Ray gives the head node (only) 1 unit of node:__internal_head__; a sliver of it keeps the
 #: gateway where the head is (Ray Train pins its state actor the same way)
@@ -108,14 +112,20 @@ class _Gateway:
 
     def _watch_drain(self) -> None:
         kv, me = _kv(), serve.get_replica_context().replica_id.unique_id.encode()
+        draining = False
         while True:
-            time.sleep(DRAIN_POLL_S)
+            time.sleep(DRAIN_REPORT_S if draining else DRAIN_POLL_S)
             try:
                 if self._app is None or not kv._internal_kv_get(DRAIN_FLAG):
                     continue
                 drain = self._app.state.drain
                 drain.start()
-                status = {"pending": _pending(drain), "t": time.time()}
+                draining = True
+                status = {
+                    "pending": _pending(drain),
+                    "uncollected": int(drain.uncollected()),
+                    "t": time.time(),
+                }
                 kv._internal_kv_put(DRAIN_STATUS + me, json.dumps(status).encode())
             except Exception:  # the GCS going away at shutdown; keep serving meanwhile
                 log.debug("drain watch", exc_info=True)
@@ -158,6 +168,7 @@ def gateway_deployment(config: ServerConfig) -> Any:
         name="gateway",
         num_replicas=config.gateway.num_replicas,
         max_ongoing_requests=4096,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_LOOP_S,  # drained before Serve stops it
         ray_actor_options={"num_cpus": 0.25, "resources": HEAD_RESOURCE},
     )
 
@@ -173,31 +184,45 @@ def _pending(drain: Any) -> int:
 
 
 def _drain(config: ServerConfig) -> None:
-    """Ask every gateway replica to drain, then wait until all of them report no pending
-    future (and `DRAIN_COLLECT_S` more for results to be collected), or the timeout."""
+    """Ask every gateway replica to drain, wait until all of them report no pending future, then
+    until their finished results are collected (at most `DRAIN_COLLECT_S`); or the timeout."""
     kv, t0 = _kv(), time.time()
     kv._internal_kv_put(DRAIN_FLAG, b"1")
-    deadline = time.monotonic() + config.drain_timeout_seconds
-    pending: int | None = None
-    while time.monotonic() < deadline:
-        time.sleep(DRAIN_POLL_S)
+
+    def counts() -> tuple[int, int] | None:
+        """(pending, uncollected) over every replica, once each has reported since t0."""
         fresh = []
         for key in kv._internal_kv_list(DRAIN_STATUS):
             raw = kv._internal_kv_get(key)
             status = json.loads(raw) if raw else None
             if status and status["t"] >= t0:
-                fresh.append(status["pending"])
-        pending = sum(fresh) if len(fresh) >= config.gateway.num_replicas else None
-        if pending == 0:
-            print("Drained: no request in flight", flush=True)
-            time.sleep(DRAIN_COLLECT_S)
-            return
-    print(
-        f"Drain timed out after {config.drain_timeout_seconds:g}s with "
-        f"{'an unknown number of' if pending is None else pending} request(s) in flight; they "
-        "fail (their clients see the connection close)",
-        flush=True,
-    )
+                fresh.append(status)
+        if len(fresh) < config.gateway.num_replicas:
+            return None
+        return sum(s["pending"] for s in fresh), sum(s.get("uncollected", 0) for s in fresh)
+
+    deadline = time.monotonic() + config.drain_timeout_seconds
+    now: tuple[int, int] | None = None
+    while time.monotonic() < deadline:
+        time.sleep(DRAIN_REPORT_S)
+        now = counts()
+        if now is not None and now[0] == 0:
+            break
+    else:
+        pending = "an unknown number of" if now is None else now[0]
+        print(
+            f"Drain timed out after {config.drain_timeout_seconds:g}s with {pending} request(s) "
+            "in flight; they fail (their clients see the connection close)",
+            flush=True,
+        )
+        return
+    print("Drained: no request in flight", flush=True)
+    until = time.monotonic() + DRAIN_COLLECT_S
+    while now is not None and now[1] > 0 and time.monotonic() < until:
+        time.sleep(DRAIN_REPORT_S)
+        now = counts() or now
+    if now is not None and now[1] > 0:
+        print(f"{now[1]} finished result(s) not collected within {DRAIN_COLLECT_S:g}s", flush=True)
 
 
 def _clear_drain_keys() -> None:

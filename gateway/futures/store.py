@@ -76,6 +76,9 @@ class FutureStore:
         # every record on every request (an hour of results is ~20k records for one tenant
         # stepping 3 times a second: a scan cost milliseconds per request)
         self._finished: deque[tuple[float, str]] = deque()
+        # finished futures whose result or error no retrieve_future has answered yet: a drain
+        # waits for these (briefly) and for nothing else
+        self._uncollected: set[str] = set()
         self.result_ttl_s = result_ttl_s
         self.replica_id = uuid.uuid4().hex
         self._lease_task: asyncio.Task | None = None
@@ -90,6 +93,15 @@ class FutureStore:
         """Futures this replica holds that have not finished (the ``twinkle_futures_pending``
         gauge; other replicas' futures are counted by their own /metrics)."""
         return sum(1 for r in self._futures.values() if not r.done.is_set())
+
+    def uncollected_count(self) -> int:
+        """Finished futures of this replica whose result (or error) no retrieve_future has
+        answered yet; a draining server gives their clients a moment to collect them."""
+        return len(self._uncollected)
+
+    def collected(self, request_id: str) -> None:
+        """A retrieve_future answered this future's result or error."""
+        self._uncollected.discard(request_id)
 
     async def start(self) -> None:
         """Start holding this replica's lease (shared mode only)."""
@@ -372,6 +384,7 @@ class FutureStore:
     def _finish(self, rec: FutureRecord) -> None:
         rec.finished_at = time.monotonic()
         self._finished.append((rec.finished_at, rec.request_id))
+        self._uncollected.add(rec.request_id)
         rec.done.set()
 
     def _expire(self) -> None:
@@ -380,6 +393,7 @@ class FutureStore:
         now = time.monotonic()
         while self._finished and now - self._finished[0][0] > self.result_ttl_s:
             rid = self._finished.popleft()[1]
+            self._uncollected.discard(rid)
             rec = self._futures.pop(rid, None)
             if rec is None:
                 continue

@@ -44,11 +44,12 @@ async def retrieve_future(
     if done is None:
         return await _try_again(rec, engine)
     rec = done
+    size = len(rec.proto_result) if rec.proto_result is not None else 0
+    if rec.error is None and req.allow_metadata_only and size >= config.metadata_only_min_bytes:
+        return {"status": "complete_metadata", "response_payload_size": size}  # not yet collected
+    futures.collected(rec.request_id)
     if rec.error is not None:
         return {"error": rec.error, "category": rec.category}
-    size = len(rec.proto_result) if rec.proto_result is not None else 0
-    if req.allow_metadata_only and size >= config.metadata_only_min_bytes:
-        return {"status": "complete_metadata", "response_payload_size": size}
     if rec.proto_result is not None and not compat.wants_protobuf(request):
         return compat.proto_result_as_json(rec.kind, rec.proto_result)  # SDK 0.16.x
     if rec.proto_result is not None:

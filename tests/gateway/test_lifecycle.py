@@ -1,7 +1,7 @@
 """Liveness vs readiness and the drain gate of one gateway replica (gateway/lifecycle.py), on the
 real app with its in-process engine: ready when every replica answers; while draining, readiness
 is 503 and liveness 200, new work is 503 with Retry-After, and retrieve_future still answers so
-clients collect what they started."""
+clients collect what they started (and the drain counts what is left to collect)."""
 
 from __future__ import annotations
 
@@ -40,5 +40,10 @@ def test_ready_then_draining(make_gateway):
     assert new.headers["retry-after"] == "9"
     assert new.json()["error"]["code"] == "draining"
     assert new.headers["x-request-id"] == new.json()["request_id"]
+    # the future is either still running or finished and not yet collected: `twinkle serve`
+    # waits for the first, then briefly for the second
+    status = gw.app.state.drain.status()
+    assert status["pending"] + status["uncollected"] == 1, status
     # work accepted before the drain is still collected
     assert "model_id" in gw.wait(fut, key)
+    assert gw.app.state.drain.status() == {"draining": True, "pending": 0, "uncollected": 0}
