@@ -386,6 +386,7 @@ def run(
     variants: list[tuple[int | None, bool, str, dict[str, str], str]],
     scrape_s: float = 1.0,
     rounds: int = 3,
+    beside: bool = False,
 ) -> list[dict]:
     """One server per (Trainer threads, metrics on, gateway ingress, extra environment) in
     ``variants``, all started
@@ -394,7 +395,9 @@ def run(
     uses no CPU, so the bare loop runs on quiet cores). This machine's speed drifts by tens of
     percent within minutes (a shared VM), so each ratio is taken within a round, from blocks
     seconds apart (default: blocks of 2 steps, so a bare step and a service step are seconds
-    apart), and tokens/s are summed over all rounds."""
+    apart), and tokens/s are summed over all rounds. ``beside``: each round also runs the bare
+    loop beside the first variant's server, resumed and idle (what the server costs a loop that
+    never talks to it: the ceiling of the service's ratio on these cores)."""
     work = Path(tempfile.mkdtemp(prefix=f"svc-{name}-"))
     rows = []
     vs = [Variant(t, m, i, e, y, times=[], ratios=[]) for t, m, i, e, y in variants]
@@ -421,6 +424,7 @@ def run(
             v.loop = Service(served, v.url, key)
             v.pause(True)
         bare_t: list[float] = []
+        beside_t: list[float] = []
         for r in range(rounds):
             # only the first round warms up (first calls allocate, fill caches); a later block
             # starts right after its server was resumed, which counts against the service
@@ -428,6 +432,12 @@ def run(
             block = data if r == 0 else data[warmup:]
             bt = bare_loop.steps(block, w)
             bare_t += bt
+            if beside:
+                vs[0].pause(False)
+                try:
+                    beside_t += bare_loop.steps(data[warmup:], 0)
+                finally:
+                    vs[0].pause(True)
             for v in vs:
                 assert v.loop is not None and v.times is not None and v.ratios is not None
                 v.pause(False)
@@ -461,6 +471,8 @@ def run(
                     "rounds": rounds,
                     "cores": cores(),
                     "bare": asdict(bare_s),
+                    # the bare loop beside this run's first server, idle: bare step / that step
+                    "beside_idle_ratio": bare_step / statistics.mean(beside_t) if beside_t else None,
                     "service": asdict(svc),
                     # tokens/s over all rounds (the issue's measure), and per round
                     "ratio": bare_step / statistics.mean(v.times),
@@ -533,6 +545,12 @@ def main() -> None:
         default="on",
         help="--compare-metrics: which run goes first (the machine drifts)",
     )
+    ap.add_argument(
+        "--beside-idle",
+        action="store_true",
+        help="each round also times the bare loop beside the first variant's server, idle: "
+        "the server's background cost alone (the ceiling of the ratio on these cores)",
+    )
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     models = ["tiny"] if a.quick else a.models.split(",")
@@ -549,7 +567,15 @@ def main() -> None:
     rows = []
     for m in models:
         print(f"[service_path] {m}: bare loop, then the service ...", file=sys.stderr, flush=True)
-        rows += run(m, steps, a.warmup, variants, a.scrape_seconds, 1 if a.quick else a.rounds)
+        rows += run(
+            m,
+            steps,
+            a.warmup,
+            variants,
+            a.scrape_seconds,
+            1 if a.quick else a.rounds,
+            beside=a.beside_idle,
+        )
     rounds = 1 if a.quick else a.rounds
     print(
         f"\ncores: {cores()}; per variant {rounds} round(s) of a bare block (server paused) and "
@@ -594,6 +620,13 @@ def main() -> None:
             + (f", config {r['server_yaml']}" if r["server_yaml"] else "")
             + f": ratio {r['ratio']:.3f}; per round min / median / max {rr}"
         )
+        if r["beside_idle_ratio"]:
+            b = r["beside_idle_ratio"]
+            print(
+                f"  the bare loop beside the first variant's server, idle: ratio {b:.3f} (the "
+                f"server's background alone); this service against that: {r['ratio'] / b:.3f} "
+                "(its per-step work)"
+            )
         print("  per timed step, seconds:")
         for k, v in r["per_step_s"].items():
             print(f"  {k:40} {v:.4f}")
