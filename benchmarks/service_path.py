@@ -472,7 +472,9 @@ def run(
                     "cores": cores(),
                     "bare": asdict(bare_s),
                     # the bare loop beside this run's first server, idle: bare step / that step
-                    "beside_idle_ratio": bare_step / statistics.mean(beside_t) if beside_t else None,
+                    "beside_idle_ratio": (
+                        bare_step / statistics.mean(beside_t) if beside_t else None
+                    ),
                     "service": asdict(svc),
                     # tokens/s over all rounds (the measure), and per round
                     "ratio": bare_step / statistics.mean(v.times),
