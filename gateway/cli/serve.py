@@ -63,7 +63,7 @@ from gateway.settings import Settings  # noqa: E402
 log = logging.getLogger("twinkle.serve")
 APP_NAME = "twinkle"
 #: Ray internal-KV keys of the drain: the flag the driver sets, and the prefix under which each
-#: gateway replica publishes {"pending": n, "t": wall time} while it drains
+#: gateway replica publishes {"pending": n, "uncollected": m, "t": wall time} while it drains
 #: Serve calls the function at this import path in its controller's process as it starts
 CONTROLLER_CALLBACK = "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH"
 DRAIN_FLAG = b"twinkle:drain"
