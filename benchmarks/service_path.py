@@ -71,6 +71,9 @@ LR = 1e-4
 #: per model: (B sequences, T tokens) per step
 SHAPE = {"tiny": (8, 128), "medium": (8, 128), "smollm2": (4, 128)}
 TWINKLE = str(Path(sys.executable).parent / "twinkle")
+#: the served model's `execution` (--execution): sequential by default, as in every earlier run
+#: here (one tenant: nothing to fuse); `auto` is the server's own default (a start-up probe)
+EXECUTION = "sequential"
 
 
 def cores() -> int:
@@ -181,7 +184,7 @@ def start_server(
     off = "" if metrics else "engine_metrics: {enabled: false}\n"
     config.write_text(
         f"models:\n  - name: {name}\n    path: {path}\n    max_lora_rank: {RANK}\n"
-        "    execution: sequential\n" + trainer + gateway + off + extra_yaml.strip() + "\n"
+        f"    execution: {EXECUTION}\n" + trainer + gateway + off + extra_yaml.strip() + "\n"
     )
     return start_server_config(config, work, port, extra_env)
 
@@ -553,8 +556,16 @@ def main() -> None:
         help="each round also times the bare loop beside the first variant's server, idle: "
         "the server's background cost alone (the ceiling of the ratio on these cores)",
     )
+    ap.add_argument(
+        "--execution",
+        choices=["sequential", "auto", "fused"],
+        default="sequential",
+        help="the served model's execution mode (auto: the server's default, probed at start)",
+    )
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
+    global EXECUTION
+    EXECUTION = a.execution
     models = ["tiny"] if a.quick else a.models.split(",")
     steps = 4 if a.quick else a.steps
     threads = [None if v == "default" else int(v) for v in a.trainer_threads.split(",")]

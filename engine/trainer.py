@@ -66,11 +66,15 @@ class Trainer:
         self.storage = SharedDirStorage(data_dir)
         if storage_id is not None:
             self.storage.check(storage_id)  # before the minutes of loading a base model
-        self.backend = backend or build_training_backend(self.model, data_dir)
+        self._sched = FairScheduler(quantum=self.model.slice_tokens)
+        # built and probed on the compute thread, which runs all the torch work of this process
+        # (`FairScheduler.call_on_compute_thread` says why)
+        self.backend = backend or self._sched.call_on_compute_thread(
+            lambda: build_training_backend(self.model, data_dir)
+        )
         offload = Path(data_dir) / "offload" / f"trainer-{os.getpid()}"
         self.pool = AdapterPool(self.backend, self.model.max_loaded_adapters, offload)
-        self._sched = FairScheduler(quantum=self.model.slice_tokens)
-        self.execution = self._choose_execution()
+        self.execution = self._sched.call_on_compute_thread(self._choose_execution)
         self._seq = Sequencer(gap_timeout)
         self._tenant: dict[str, str] = {}
         self._waiting: dict[tuple[str, int], str] = {}
