@@ -51,14 +51,14 @@ def _drain(monkeypatch, scripts, replicas: int = 1, timeout: float = 30) -> floa
 
 def test_nothing_to_collect_stops_at_once(monkeypatch, capsys) -> None:
     took = _drain(monkeypatch, [lambda t: (0, 0)])
-    assert took < 1.0  # it used to wait DRAIN_COLLECT_S (2 s) whatever was left
+    assert took < 1.5  # it used to wait DRAIN_COLLECT_S (2 s) whatever was left
     assert capsys.readouterr().out.strip() == "Drained: no request in flight"
 
 
 def test_waits_for_pending_then_for_collection(monkeypatch, capsys) -> None:
     # finishes at 0.6 s, its client collects the result at 1.0 s
     took = _drain(monkeypatch, [lambda t: (1 if t < 0.6 else 0, 1 if 0.6 <= t < 1.0 else 0)])
-    assert 1.0 <= took < 1.5
+    assert 1.0 <= took < 2.0  # it used to take 2.6 s (a 2 s sleep once nothing was pending)
     assert capsys.readouterr().out.strip() == "Drained: no request in flight"
 
 
@@ -67,7 +67,7 @@ def test_an_uncollected_result_is_waited_for_at_most_the_collect_window(
 ) -> None:
     monkeypatch.setattr(serve_mod, "DRAIN_COLLECT_S", 0.6)
     took = _drain(monkeypatch, [lambda t: (0, 2)])
-    assert 0.6 <= took < 1.2
+    assert 0.6 <= took < 1.5
     out = capsys.readouterr().out
     assert "Drained: no request in flight" in out
     assert "2 finished result(s) not collected within 0.6s" in out
@@ -76,7 +76,7 @@ def test_an_uncollected_result_is_waited_for_at_most_the_collect_window(
 def test_every_replica_must_report(monkeypatch, capsys) -> None:
     # the second replica still has a request in flight until 0.5 s
     took = _drain(monkeypatch, [lambda t: (0, 0), lambda t: (1 if t < 0.5 else 0, 0)], replicas=2)
-    assert 0.5 <= took < 1.0
+    assert 0.5 <= took < 1.5
     assert "Drained" in capsys.readouterr().out
 
 
@@ -84,7 +84,7 @@ def test_every_replica_must_report(monkeypatch, capsys) -> None:
 def test_timeout_names_what_was_in_flight(monkeypatch, capsys, pending) -> None:
     scripts = [lambda t: (1, 0)] if pending else []  # no replica ever reports: unknown
     took = _drain(monkeypatch, scripts, timeout=0.5)
-    assert 0.5 <= took < 1.0
+    assert 0.5 <= took < 1.5
     out = capsys.readouterr().out
     assert "Drain timed out after 0.5s with " in out
     assert ("1 request(s)" if pending else "an unknown number of request(s)") in out
