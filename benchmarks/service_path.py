@@ -71,9 +71,6 @@ LR = 1e-4
 #: per model: (B sequences, T tokens) per step
 SHAPE = {"tiny": (8, 128), "medium": (8, 128), "smollm2": (4, 128)}
 TWINKLE = str(Path(sys.executable).parent / "twinkle")
-#: the served model's `execution` (--execution): sequential by default, as in every earlier run
-#: here (one tenant: nothing to fuse); `auto` is the server's own default (a start-up probe)
-EXECUTION = "sequential"
 
 
 def cores() -> int:
@@ -172,10 +169,13 @@ def start_server(
     ingress: str = "direct",
     extra_env: dict | None = None,
     extra_yaml: str = "",
+    execution: str = "sequential",
 ) -> tuple[subprocess.Popen, str, dict, float]:
     """A `twinkle serve` of ``path`` as ``name`` (Trainer torch threads: ``threads``, None = the
     server's default; ``metrics``: Prometheus metrics on or off; ``ingress``: the gateway's;
-    ``extra_yaml``: top-level config lines added): (process, url, env, seconds to ready)."""
+    ``extra_yaml``: top-level config lines added; ``execution``: the model's, sequential as in
+    every earlier run here, `auto` being the server's default): (process, url, env, seconds to
+    ready)."""
     port = _free_port()
     config = work / "server.yaml"
     trainer = f"    trainer: {{torch_threads: {threads}}}\n" if threads else ""
@@ -184,7 +184,7 @@ def start_server(
     off = "" if metrics else "engine_metrics: {enabled: false}\n"
     config.write_text(
         f"models:\n  - name: {name}\n    path: {path}\n    max_lora_rank: {RANK}\n"
-        f"    execution: {EXECUTION}\n" + trainer + gateway + off + extra_yaml.strip() + "\n"
+        f"    execution: {execution}\n" + trainer + gateway + off + extra_yaml.strip() + "\n"
     )
     return start_server_config(config, work, port, extra_env)
 
@@ -390,6 +390,7 @@ def run(
     scrape_s: float = 1.0,
     rounds: int = 3,
     beside: bool = False,
+    execution: str = "sequential",
 ) -> list[dict]:
     """One server per (Trainer threads, metrics on, gateway ingress, extra environment) in
     ``variants``, all started
@@ -414,7 +415,7 @@ def run(
             vdir = work / f"v{k}"
             vdir.mkdir()
             v.proc, v.url, env, v.ready_s = start_server(
-                path, served, vdir, v.threads, v.metrics, v.ingress, v.env, v.yaml
+                path, served, vdir, v.threads, v.metrics, v.ingress, v.env, v.yaml, execution
             )
             key = subprocess.run(
                 [TWINKLE, "keys", "create", "--user", "bench"],
@@ -564,8 +565,6 @@ def main() -> None:
     )
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
-    global EXECUTION
-    EXECUTION = a.execution
     models = ["tiny"] if a.quick else a.models.split(",")
     steps = 4 if a.quick else a.steps
     threads = [None if v == "default" else int(v) for v in a.trainer_threads.split(",")]
@@ -588,6 +587,7 @@ def main() -> None:
             a.scrape_seconds,
             1 if a.quick else a.rounds,
             beside=a.beside_idle,
+            execution=a.execution,
         )
     rounds = 1 if a.quick else a.rounds
     print(
