@@ -191,7 +191,8 @@ class ModelConfig(_Strict):
     execution: Literal["auto", "fused", "sequential"] = Field(
         default="auto",
         description="Run ready work of several adapters as one fused batch, one by one, "
-        "or pick whichever a start-up measurement on this device finds faster",
+        "or pick whichever a start-up measurement on this device finds faster (its answer is "
+        "kept in <data_dir>/execution-probe/ and reused by restarts on the same kind of host)",
     )
     trainer: ReplicaConfig = Field(default_factory=ReplicaConfig)
     sampler: ReplicaConfig = Field(default_factory=ReplicaConfig)

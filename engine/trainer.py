@@ -139,9 +139,7 @@ class Trainer:
         costs: dict = {}
         if mode == "auto":
             try:
-                from engine.scheduling.execution_probe import measure_execution_costs
-
-                costs = measure_execution_costs(self.backend, **self._probe_shape())
+                costs = self._measure_execution()
                 mode = costs["choice"]
             except Exception:  # a failed measurement must not stop the server
                 log.exception("execution cost measurement failed; using sequential")
@@ -151,6 +149,25 @@ class Trainer:
             self._sched.fuse_max_jobs = max(1, min(8, self.model.max_loaded_adapters))
         log.info("trainer %s: %s execution %s", self.model.name, mode, costs)
         return {"mode": mode, **costs}
+
+    def _measure_execution(self) -> dict:
+        """The start-up probe's costs: stored ones when this kind of host measured this model
+        lately (engine/scheduling/probe_cache.py; ~10 s of a 25 M model's start-up on a CPU),
+        else measured now and stored."""
+        from engine.scheduling.execution_probe import measure_execution_costs
+        from engine.scheduling.probe_cache import ProbeCache
+
+        shape = self._probe_shape()
+        fingerprint = self.backend.device_fingerprint()
+        if fingerprint is None:
+            return measure_execution_costs(self.backend, **shape)
+        cache = ProbeCache(self.storage.root)
+        key = cache.key(fingerprint, shape)
+        costs = cache.get(key)
+        if costs is None:
+            costs = measure_execution_costs(self.backend, **shape)
+            cache.put(key, costs)
+        return costs
 
     def _probe_shape(self) -> dict:
         """Probe the cost model with work shaped like this replica's real jobs: up to 4 adapters,

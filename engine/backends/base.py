@@ -122,6 +122,14 @@ class TrainingBackend(ABC):
         timing covers the work. Default: nothing to wait for (synchronous CPU backends)."""
         return None  # the documented default
 
+    def device_fingerprint(self) -> dict[str, Any] | None:
+        """What a timing on this backend depends on: the device (kind, name, threads), the
+        numerics (dtype), the library versions and the model's architecture; JSON-able. The
+        Trainer stores its start-up execution measurement under it
+        (engine/scheduling/probe_cache.py), so a restart on the same kind of host skips the
+        measurement. Default: None, nothing known, so every start measures."""
+        return None  # the documented default
+
     # -- gradients and optimizer ---------------------------------------------------------------
     def has_pending_grad(self, adapter_id: str) -> bool:
         """True between a non-forward_only forward_backward and the next optim_step (or

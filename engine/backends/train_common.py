@@ -9,8 +9,11 @@ their norm is summed (one process, or shards over tensor/pipeline ranks).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +33,42 @@ from engine.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_fingerprint(device: torch.device, dtype: torch.dtype, architecture: str) -> dict:
+    """`TrainingBackend.device_fingerprint` for a torch model on ``device``: the device's name
+    (CPU model and the cores this process may use, or the GPU's name), torch's threads, the
+    parameters' dtype, torch's version and a hash of the model's architecture (its config)."""
+    import transformers
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        cores = torch.cuda.device_count()
+    else:
+        name = _cpu_name()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "device": device.type,
+        "name": name,
+        "cores": cores,
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "architecture": hashlib.sha256(architecture.encode()).hexdigest()[:16],
+    }
 
 
 @dataclass

@@ -41,6 +41,7 @@ from engine.backends.train_common import (
     check_adam,
     check_reload,
     check_spec,
+    device_fingerprint,
     finish_load,
     new_optimizer,
     require_grad,
@@ -172,6 +173,12 @@ class TransformersTrainingBackend(TrainingBackend):
     def synchronize(self) -> None:
         if self.device.type == "cuda":  # CUDA launches are asynchronous; CPU ops are not
             torch.cuda.synchronize(self.device)
+
+    def device_fingerprint(self) -> dict:
+        weight = self.model.get_input_embeddings().weight
+        assert isinstance(weight, torch.Tensor)
+        arch = self.model.config.to_json_string(use_diff=False)
+        return {"backend": "transformers", **device_fingerprint(self.device, weight.dtype, arch)}
 
     # ------------------------------------------------------------------------------- forward
 
