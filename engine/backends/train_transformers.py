@@ -177,7 +177,8 @@ class TransformersTrainingBackend(TrainingBackend):
     def device_fingerprint(self) -> dict:
         weight = self.model.get_input_embeddings().weight
         assert isinstance(weight, torch.Tensor)
-        arch = self.model.config.to_json_string(use_diff=False)
+        # the micro-batch size splits large passes, so it changes a timing too
+        arch = self.model.config.to_json_string(use_diff=False) + f" micro={self.max_batch_tokens}"
         return {"backend": "transformers", **device_fingerprint(self.device, weight.dtype, arch)}
 
     # ------------------------------------------------------------------------------- forward

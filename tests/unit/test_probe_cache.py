@@ -122,3 +122,24 @@ def test_the_fingerprint_names_what_the_timing_ran_on(tiny_model_dir):
 def test_the_fingerprint_counts_the_cores_this_process_may_use(tiny_model_dir):
     be = TransformersTrainingBackend(str(tiny_model_dir))
     assert be.device_fingerprint()["cores"] == len(os.sched_getaffinity(0))
+
+
+def test_a_megatron_trainer_reuses_its_own_measurement(tiny_model_dir, tmp_path, monkeypatch):
+    """The Megatron backend gives its own fingerprint (its split and micro-batch size added), so
+    its answer is stored apart from the Transformers backend's on the same model."""
+    pytest.importorskip("megatron.core")
+    runs = []
+    real = execution_probe.measure_execution_costs
+    monkeypatch.setattr(
+        execution_probe,
+        "measure_execution_costs",
+        lambda *a, **kw: runs.append(kw) or real(*a, **kw),
+    )
+    first = Trainer(_cfg(tiny_model_dir, backend="megatron"), str(tmp_path))
+    fp = first.backend.device_fingerprint()
+    assert fp["backend"] == "megatron" and json.loads(json.dumps(fp)) == fp
+    again = Trainer(_cfg(tiny_model_dir, backend="megatron"), str(tmp_path))
+    assert len(runs) == 1 and again.execution["mode"] == first.execution["mode"]
+    Trainer(_cfg(tiny_model_dir), str(tmp_path))  # transformers: another answer
+    assert len(runs) == 2
+    assert len(list((tmp_path / FOLDER).glob("*.json"))) == 2

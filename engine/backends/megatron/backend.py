@@ -221,6 +221,9 @@ class MegatronTrainingBackend(TrainingBackend):
         if self._gpu:
             self._call("synchronize")
 
+    def device_fingerprint(self) -> dict:
+        return self._call("device_fingerprint")
+
     def has_pending_grad(self, adapter_id: str) -> bool:
         return bool(self._call("has_pending_grad", adapter_id))
 

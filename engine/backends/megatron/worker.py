@@ -42,6 +42,7 @@ from engine.backends.train_common import (
     adam_step,
     check_adam,
     check_spec,
+    device_fingerprint,
     new_optimizer,
     require_grad,
     run_fused,
@@ -170,6 +171,13 @@ class MegatronWorker(WorkerCheckpoints):
     def synchronize(self) -> None:
         if self.device.type == "cuda":  # CUDA launches are asynchronous; CPU ops are not
             torch.cuda.synchronize(self.device)
+
+    def device_fingerprint(self) -> dict:
+        """This rank's device and numerics; the split (tp x pp) and the micro-batch size change
+        a timing too (ranks are packed on one node, so rank 0 speaks for all)."""
+        dtype = next(self.model.parameters()).dtype
+        shape = f"{self.arch!r} tp={self.tp} pp={self.pp} micro={self.max_batch_tokens}"
+        return {"backend": "megatron", **device_fingerprint(self.device, dtype, shape)}
 
     # ------------------------------------------------------------------------------- passes
 
