@@ -56,8 +56,9 @@ class ProbeCache:
         return self.dir / f"{hashlib.sha256(blob).hexdigest()[:32]}.json"
 
     def get(self, key: dict[str, Any]) -> dict[str, Any] | None:
-        """The stored costs for ``key`` with ``cached_from`` (the entry's file) and
-        ``measured_at`` (Unix time) added; None when absent, too old or unreadable."""
+        """The stored costs for ``key`` with ``stored: True`` and ``measured_at`` (Unix time)
+        added (not the file's path: the Trainer's stats reach the admin API, and server paths
+        stay on the server; the log names it); None when absent, too old or unreadable."""
         path = self.path(key)
         try:
             entry = json.loads(path.read_text())
@@ -77,7 +78,8 @@ class ProbeCache:
         age = time.time() - measured_at
         if not 0 <= age <= self.max_age_s:
             return None
-        return {**costs, "cached_from": str(path), "measured_at": measured_at}
+        log.info("execution probe: using the answer stored in %s", path)
+        return {**costs, "stored": True, "measured_at": measured_at}
 
     def put(self, key: dict[str, Any], costs: dict[str, Any]) -> Path | None:
         """Store ``costs`` for ``key``; returns the file, or None if the data dir refused the
