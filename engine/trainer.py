@@ -152,7 +152,7 @@ class Trainer:
 
     def _measure_execution(self) -> dict:
         """The start-up probe's costs: stored ones when this kind of host measured this model
-        lately (engine/scheduling/probe_cache.py; ~10 s of a 25 M model's start-up on a CPU),
+        lately (engine/scheduling/probe_cache.py; ~15 s of a 25 M model's start-up on a CPU),
         else measured now and stored."""
         from engine.scheduling.execution_probe import measure_execution_costs
         from engine.scheduling.probe_cache import ProbeCache

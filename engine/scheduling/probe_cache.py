@@ -2,8 +2,8 @@
 skips the measurement.
 
 Owns `ProbeCache`. `execution: auto` times fused against sequential work at start-up
-(engine/scheduling/execution_probe.py): ~10 s of a 25 M model's 24 s start-up on a 2-core CPU
-(benchmarks/README.md). The answer depends only on what the timing ran on, so it is stored under
+(engine/scheduling/execution_probe.py): ~15 s of a 25 M model's 25-27 s first start on a 2-core
+CPU (benchmarks/README.md). The answer depends only on what the timing ran on, so it is stored under
 a key made of everything that can change it: the backend's device fingerprint (device and its
 name, threads, dtype, library versions, the model's architecture:
 `TrainingBackend.device_fingerprint`), the probe's shape and this module's `PROBE_VERSION`. A
@@ -51,9 +51,13 @@ class ProbeCache:
         """Everything the answer depends on, as one JSON-able dict."""
         return {"version": PROBE_VERSION, "device": fingerprint, "shape": shape}
 
+    @staticmethod
+    def _canonical(key: dict[str, Any]) -> str:
+        return json.dumps(key, sort_keys=True, default=str)
+
     def path(self, key: dict[str, Any]) -> Path:
-        blob = json.dumps(key, sort_keys=True, default=str).encode()
-        return self.dir / f"{hashlib.sha256(blob).hexdigest()[:32]}.json"
+        digest = hashlib.sha256(self._canonical(key).encode()).hexdigest()
+        return self.dir / f"{digest[:32]}.json"
 
     def get(self, key: dict[str, Any]) -> dict[str, Any] | None:
         """The stored costs for ``key`` with ``stored: True`` and ``measured_at`` (Unix time)
@@ -64,7 +68,7 @@ class ProbeCache:
             entry = json.loads(path.read_text())
             costs, measured_at = entry["costs"], float(entry["measured_at"])
             # a hash collision or a hand-edited file must not hand out another key's answer
-            same = entry["key"] == json.loads(json.dumps(key, sort_keys=True, default=str))
+            same = self._canonical(entry["key"]) == self._canonical(key)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:
