@@ -104,37 +104,45 @@ class MultiLoraLinear(nn.Module):
         if not segments or not self.adapters:
             return out
         n = x.shape[0]
-        deltas: list[tuple[int, int, torch.Tensor]] = []
+        # Each adapted segment's rows become one addmm (base output + delta in the same GEMM);
+        # rows without an adapter keep the base output. out itself is never written to (autograd
+        # may hold it), and one torch.cat joins the pieces when there is more than one.
+        pieces: list[torch.Tensor] = []
+        pos = 0
         for adapter_id, start, end in segments:
             if end > n:
                 raise ValueError(f"LoRA segment {adapter_id!r} [{start}, {end}) exceeds batch {n}")
             w = self.adapters.get(adapter_id)
-            if w is not None:  # None: that adapter does not target this layer (base output only)
-                deltas.append((start, end, _delta(x[start:end], w).to(out.dtype)))
-        if not deltas:
-            return out
-        if len(deltas) == 1 and deltas[0][0] == 0 and deltas[0][1] == n:
-            return out + deltas[0][2]
-        # Assemble a full-batch delta with zeros between segments (torch.cat, not index_add_ into
-        # `out`: out is needed by autograd and must not be modified in place).
-        pieces: list[torch.Tensor] = []
-        pos = 0
-        for start, end, d in deltas:
+            if w is None:  # that adapter does not target this layer (base output only)
+                continue
             if start > pos:
-                pieces.append(out.new_zeros((start - pos, *out.shape[1:])))
-            pieces.append(d)
+                pieces.append(out[pos:start])
+            pieces.append(_with_delta(out[start:end], x[start:end], w))
             pos = end
+        if not pieces:
+            return out
         if pos < n:
-            pieces.append(out.new_zeros((n - pos, *out.shape[1:])))
-        return out + torch.cat(pieces, dim=0)
+            pieces.append(out[pos:])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def extra_repr(self) -> str:
         ranks = {k: tuple(w.A.shape)[0] for k, w in self.adapters.items()}
         return f"target={self.target_name}, adapters={ranks}"
 
 
-def _delta(x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
-    return F.linear(F.linear(x.to(w.A.dtype), w.A), w.B) * w.scaling
+def _with_delta(out: torch.Tensor, x: torch.Tensor, w: LoraWeights) -> torch.Tensor:
+    """``out + (x @ A.T @ B.T) * scaling`` for rows of one adapter, as a new tensor.
+
+    The scaling multiplies the rank-r intermediate, not the [rows, out_features] delta, and the
+    add is the GEMM's own (addmm, beta 1): per layer that saves two full-width elementwise passes
+    forward and one backward against ``out + B(A(x)) * scaling`` (what peft computes). A 25 M
+    Qwen2, 8x128 tokens, rank 8 on every target, 2 CPU threads: forward_backward + optim_step
+    880 -> 843 ms, 3.4% under a torch + peft loop's 871 ms (benchmarks/README.md)."""
+    h = F.linear(x.reshape(-1, x.shape[-1]).to(w.A.dtype), w.A) * w.scaling  # [rows, r]
+    flat = out.reshape(-1, out.shape[-1])
+    if flat.dtype == w.B.dtype:
+        return torch.addmm(flat, h, w.B.t()).view(out.shape)
+    return out + F.linear(h, w.B).to(out.dtype).view(out.shape)
 
 
 # ----------------------------------------------------------------------------------- model surgery

@@ -259,3 +259,39 @@ def test_bad_adapter_files_raise_checkpoint_error(model, tmp_path: Path) -> None
     cfg_path.write_text(json.dumps({**cfg, "target_modules": ["q_proj"]}))
     with pytest.raises(CheckpointError, match="target_modules"):
         load_adapter(model, "b", tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_layer_equals_lora_formula_with_gradients(dtype) -> None:
+    # The layer adds each segment's delta inside one addmm (same dtype) or after it (a bfloat16
+    # base with float32 adapters); both must equal base(x) + B(A(x)) * alpha / r, and so must
+    # the gradients, with rows outside every segment left at the base output.
+    torch.manual_seed(0)
+    base = nn.Linear(16, 12, bias=True).to(dtype)
+    router = lora._Router()
+    layer = MultiLoraLinear(base, router, "model.layers.0.self_attn.q_proj")
+    weights = lora.LoraWeights(
+        A=nn.Parameter(
+            torch.randn(4, 16, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        ),
+        B=nn.Parameter(
+            torch.randn(12, 4, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        ),
+        scaling=0.5,
+    )
+    layer.adapters["a"] = weights
+    x = torch.randn(5, 3, 16, dtype=dtype, requires_grad=True)
+    router.segments = (("a", 1, 4),)
+    out = layer(x)
+    out.float().pow(2).sum().backward()
+    got = (out.detach(), x.grad, weights.A.grad, weights.B.grad)
+    x.grad, weights.A.grad, weights.B.grad = None, None, None
+    ref_delta = (x[1:4].to(weights.A.dtype) @ weights.A.T @ weights.B.T) * 0.5
+    ref = torch.cat([base(x[:1]), base(x[1:4]) + ref_delta.to(dtype), base(x[4:])])
+    ref.float().pow(2).sum().backward()
+    tol = {"atol": 1e-10, "rtol": 1e-10} if dtype == torch.float64 else {"atol": 0.1, "rtol": 0.02}
+    for mine, theirs in zip(
+        got, (ref.detach(), x.grad, weights.A.grad, weights.B.grad), strict=True
+    ):
+        torch.testing.assert_close(mine, theirs, **tol)
+    assert torch.equal(got[0][0], base(x).detach()[0])  # a row outside every segment: untouched
