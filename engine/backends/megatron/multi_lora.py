@@ -238,11 +238,11 @@ class MegatronMultiLora:
         if site.row_parallel:
             A, B = ad[site.parts[0]]
             h = tpl.reduce_from_tensor_model_parallel_region(F.linear(x.to(A.dtype), A))
-            return F.linear(h, B) * sc
+            return F.linear(h * sc, B)  # scaled at rank r, not at the full output width
         outs = {}
         for part, (A, B) in ad.items():
             h = tpl.copy_to_tensor_model_parallel_region(F.linear(x.to(A.dtype), A))
-            outs[part] = F.linear(h, B) * sc
+            outs[part] = F.linear(h * sc, B)
         lead = x.shape[:-1]
         if site.kind == "head":
             return outs["lm_head"]
