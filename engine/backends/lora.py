@@ -104,10 +104,10 @@ class MultiLoraLinear(nn.Module):
         if not segments or not self.adapters:
             return out
         n = x.shape[0]
-        # Each adapted segment's rows become one addmm (base output + delta in the same GEMM);
-        # rows without an adapter keep the base output. out itself is never written to (autograd
-        # may hold it), and one torch.cat joins the pieces when there is more than one.
-        pieces: list[torch.Tensor] = []
+        # The batch as consecutive chunks: each adapted segment, and the rows between (base
+        # output only). Each adapted chunk becomes one addmm (base output + delta in the same
+        # GEMM); out itself is never written to (autograd may hold it).
+        chunks: list[tuple[int, LoraWeights | None]] = []  # (rows, adapter)
         pos = 0
         for adapter_id, start, end in segments:
             if end > n:
@@ -116,14 +116,27 @@ class MultiLoraLinear(nn.Module):
             if w is None:  # that adapter does not target this layer (base output only)
                 continue
             if start > pos:
-                pieces.append(out[pos:start])
-            pieces.append(_with_delta(out[start:end], x[start:end], w))
+                chunks.append((start - pos, None))
+            chunks.append((end - start, w))
             pos = end
-        if not pieces:
+        if not chunks:
             return out
         if pos < n:
-            pieces.append(out[pos:])
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+            chunks.append((n - pos, None))
+        only = chunks[0][1] if len(chunks) == 1 else None
+        if only is not None:  # one adapter over the whole batch: no slicing at all
+            return _with_delta(out, x, only)
+        # split, not x[start:end]: each slice's backward allocates a zeroed full-size gradient
+        # and copies into it (with one adapter on the 25 M model, 8x128 rows: 140 such passes a
+        # step); split's backward is one cat. 4 tenants fused: 4266 -> 3943 ms a step.
+        sizes = [rows for rows, _ in chunks]
+        return torch.cat(
+            [
+                o if w is None else _with_delta(o, xi, w)
+                for o, xi, (_, w) in zip(out.split(sizes), x.split(sizes), chunks, strict=True)
+            ],
+            dim=0,
+        )
 
     def extra_repr(self) -> str:
         ranks = {k: tuple(w.A.shape)[0] for k, w in self.adapters.items()}

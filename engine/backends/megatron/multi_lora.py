@@ -269,7 +269,7 @@ class MegatronMultiLora:
             out, bias = output
             x = args[0] if args else kwargs["input_"]
             nb = x.shape[1]  # [seq, batch, hidden]
-            pieces: list[torch.Tensor] = []
+            chunks: list[tuple[int, str | None]] = []  # (batch rows, adapter), covering [0, nb)
             pos = 0
             for adapter_id, start, end in segments:
                 if end > nb:
@@ -279,14 +279,26 @@ class MegatronMultiLora:
                 if adapter_id not in site.adapters:  # not a target here: base output only
                     continue
                 if start > pos:
-                    pieces.append(out.new_zeros(out.shape[0], start - pos, *out.shape[2:]))
-                pieces.append(self._delta(site, adapter_id, x[:, start:end]).to(out.dtype))
+                    chunks.append((start - pos, None))
+                chunks.append((end - start, adapter_id))
                 pos = end
-            if not pieces:
+            if not chunks:
                 return output
             if pos < nb:
-                pieces.append(out.new_zeros(out.shape[0], nb - pos, *out.shape[2:]))
-            # torch.cat, not an in-place add: `out` is needed by autograd
+                chunks.append((nb - pos, None))
+            # torch.cat and out + ..., not an in-place add: `out` is needed by autograd. split,
+            # not x[:, start:end]: each slice's backward zero-fills a full-size gradient.
+            only = chunks[0][1] if len(chunks) == 1 else None
+            if only is not None:  # one adapter over the whole batch
+                return out + self._delta(site, only, x).to(out.dtype), bias
+            pieces = [
+                out.new_zeros(out.shape[0], rows, *out.shape[2:])
+                if aid is None
+                else self._delta(site, aid, xi).to(out.dtype)
+                for xi, (rows, aid) in zip(
+                    x.split([rows for rows, _ in chunks], dim=1), chunks, strict=True
+                )
+            ]
             return out + torch.cat(pieces, dim=1), bias
 
         return hook
