@@ -194,6 +194,13 @@ class ModelConfig(_Strict):
         "or pick whichever a start-up measurement on this device finds faster (its answer is "
         "kept in <data_dir>/execution-probe/ and reused by restarts on the same kind of host)",
     )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="The base weights' dtype in a transformers Trainer and a torch Sampler: "
+        "auto = bfloat16 on a GPU that supports it (a replica with num_gpus > 0 computes on "
+        "its GPU), float32 on CPU. LoRA weights and optimizer state stay float32. Megatron's "
+        "is megatron.params_dtype; vLLM's is vllm_engine_args.dtype",
+    )
     trainer: ReplicaConfig = Field(default_factory=ReplicaConfig)
     sampler: ReplicaConfig = Field(default_factory=ReplicaConfig)
     images: ImageLimits = Field(

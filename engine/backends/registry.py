@@ -33,13 +33,18 @@ def _model_dir(model: ModelConfig, data_dir: str) -> str:
 
 # -- training --------------------------------------------------------------------------------
 def _transformers(model: ModelConfig, data_dir: str) -> TrainingBackend:
+    from engine.backends.placement import resolve_placement
     from engine.backends.train_transformers import TransformersTrainingBackend
 
+    where = f"models[{model.name}].trainer"
+    device, dtype = resolve_placement(model.trainer.num_gpus, model.dtype, where)
     return TransformersTrainingBackend(
         _model_dir(model, data_dir),
         max_lora_rank=model.max_lora_rank,
         base_model_name=model.name,
         max_image_pixels=model.images.max_pixels,
+        device=device,
+        dtype=dtype,
     )
 
 
@@ -73,10 +78,16 @@ def _mock_training(model: ModelConfig, data_dir: str) -> TrainingBackend:
 
 # -- sampling --------------------------------------------------------------------------------
 def _torch(model: ModelConfig, data_dir: str) -> SamplingBackend:
+    from engine.backends.placement import resolve_placement
     from engine.backends.sample_torch import TorchSamplingBackend
 
+    where = f"models[{model.name}].sampler"
+    device, dtype = resolve_placement(model.sampler.num_gpus, model.dtype, where)
     return TorchSamplingBackend(
-        _model_dir(model, data_dir), max_image_pixels=model.images.max_pixels
+        _model_dir(model, data_dir),
+        max_image_pixels=model.images.max_pixels,
+        device=device,
+        dtype=dtype,
     )
 
 

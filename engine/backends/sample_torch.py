@@ -38,11 +38,17 @@ class TorchSamplingBackend(SamplingBackend):
     device: torch.device
 
     def __init__(
-        self, model_dir: str, *, max_cached_adapters: int = 32, max_image_pixels: int = 4096 * 4096
+        self,
+        model_dir: str,
+        *,
+        max_cached_adapters: int = 32,
+        max_image_pixels: int = 4096 * 4096,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         from transformers import AutoTokenizer
 
-        self.model = load_base_model(model_dir)
+        self.model = load_base_model(model_dir, dtype, device)
         self.model.requires_grad_(False)
         inject_multi_lora(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -81,8 +81,11 @@ class TransformersTrainingBackend(TrainingBackend):
         base_model_name: str = "",
         max_batch_tokens: int = 16384,
         max_image_pixels: int = 4096 * 4096,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.model = load_base_model(model_dir)  # eval mode: no dropout, results need no RNG
+        # eval mode: no dropout, results need no RNG; adapters (float32) go on the same device
+        self.model = load_base_model(model_dir, dtype, device)
         self.model.requires_grad_(False)
         inject_multi_lora(self.model)  # with a VL tower's blocks (used by train_vision adapters)
         config = self.model.config

@@ -71,12 +71,15 @@ def is_vision_model(model_dir: str | Path) -> bool:
     return "vision_config" in cfg
 
 
-def load_base_model(model_dir: str | Path):
-    """The HF model in float32, eval mode: a causal LM, or an image-text-to-text model."""
+def load_base_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+):
+    """The HF model in ``dtype`` on ``device``, eval mode: a causal LM, or an
+    image-text-to-text model."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     cls = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
-    return cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return cls.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
 
 
 class Vision:
