@@ -79,7 +79,9 @@ def load_base_model(
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     cls = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
-    return cls.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    model = cls.from_pretrained(str(model_dir), dtype=dtype)
+    torch.nn.Module.to(model, device)  # in place (transformers' typing of .to confuses pyright)
+    return model.eval()
 
 
 class Vision:
