@@ -72,7 +72,21 @@ LORA_TARGETS = [
     "lm_head",
 ]
 #: per model: default (B sequences, T tokens) per tenant per step
-DEFAULT_SHAPE = {"tiny": (8, 128), "medium": (2, 128)}
+DEFAULT_SHAPE = {"tiny": (8, 128), "medium": (2, 128), "qwen2.5-0.5b": (4, 512)}
+#: Qwen/Qwen2.5-0.5B-Instruct's architecture (its config.json), built with random weights where
+#: no hub is reachable (the GPU device): the real model's shapes and FLOPs, not its outputs
+QWEN25_05B = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
 MEDIUM_DIR_NAME = "medium-qwen2-h512-l8-v2048-seed0"
 
 
@@ -128,6 +142,21 @@ def build_medium(out_dir: Path) -> Path:
     return _atomic_build(out_dir, fill)
 
 
+def build_from_config(out_dir: Path, fields: dict) -> Path:
+    """A Qwen2 with ``fields`` and random weights (seed 0), saved in bfloat16 (half the disk; a
+    benchmark loads it in the dtype it measures)."""
+
+    def fill(tmp: Path) -> None:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(Qwen2Config(**fields)).to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+
+    return _atomic_build(out_dir, fill)
+
+
 def model_dir(name: str) -> Path:
     root = cache_root()
     if name == "tiny":
@@ -136,7 +165,9 @@ def model_dir(name: str) -> Path:
         return build_tiny(root / "tiny-chat")
     if name == "medium":
         return build_medium(root / MEDIUM_DIR_NAME)
-    raise SystemExit(f"unknown model {name!r} (known: tiny, medium)")
+    if name == "qwen2.5-0.5b":
+        return build_from_config(root / "qwen2.5-0.5b-random-seed0", QWEN25_05B)
+    raise SystemExit(f"unknown model {name!r} (known: tiny, medium, qwen2.5-0.5b)")
 
 
 # ------------------------------------------------------------------------------------- device
@@ -246,11 +277,15 @@ def backend_steps(backend: TransformersTrainingBackend, tenants: int, fused: boo
     return step
 
 
-def _peft_model(path: Path, device: torch.device, names: list[str]):
+def _peft_model(
+    path: Path, device: torch.device, names: list[str], dtype: torch.dtype = torch.float32
+):
+    """The base in ``dtype`` with peft adapters (peft keeps them float32 on a bf16 base, as our
+    engine does)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
     cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0)
     model = get_peft_model(base, cfg, adapter_name=names[0])
     for name in names[1:]:
@@ -268,9 +303,11 @@ def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
-def peft_mixed_steps(path: Path, device: torch.device, tenants: int, sync) -> StepFn:
+def peft_mixed_steps(
+    path: Path, device: torch.device, tenants: int, sync, dtype: torch.dtype = torch.float32
+) -> StepFn:
     names = [f"t{i}" for i in range(tenants)]
-    model = _peft_model(path, device, names)
+    model = _peft_model(path, device, names, dtype)
     model.eval()  # training mode refuses adapter_names
     for n, p in model.named_parameters():  # after add_adapter / set_adapter: all adapters trainable
         p.requires_grad_("lora_" in n)
@@ -299,8 +336,10 @@ def peft_mixed_steps(path: Path, device: torch.device, tenants: int, sync) -> St
     return step
 
 
-def bare_torch_steps(path: Path, device: torch.device, tenants: int, sync) -> StepFn:
-    model = _peft_model(path, device, ["default"])
+def bare_torch_steps(
+    path: Path, device: torch.device, tenants: int, sync, dtype: torch.dtype = torch.float32
+) -> StepFn:
+    model = _peft_model(path, device, ["default"], dtype)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
@@ -413,13 +452,13 @@ def bench_model(
     log,
     retries: int = 0,
     max_other_load: float = 0.15,
+    dtype: torch.dtype = torch.float32,
 ) -> list[Row]:
     path = model_dir(name)
     sync = make_sync(device)
-    backend = TransformersTrainingBackend(str(path), max_lora_rank=RANK)
-    if device.type != "cpu":  # the backend loads on CPU; move the base before adding adapters
-        backend.model.to(device)
-        backend.device = device
+    backend = TransformersTrainingBackend(
+        str(path), max_lora_rank=RANK, device=device, dtype=dtype
+    )
     vocab = backend.vocab_size
     rows: list[Row] = []
     for tenants in tenants_list:
@@ -429,9 +468,9 @@ def bench_model(
             if mode in ("fused", "sequential"):
                 step = backend_steps(backend, tenants, mode == "fused", sync)
             elif mode == "peft-mixed":
-                step = peft_mixed_steps(path, device, tenants, sync)
+                step = peft_mixed_steps(path, device, tenants, sync, dtype)
             else:
-                step = bare_torch_steps(path, device, tenants, sync)
+                step = bare_torch_steps(path, device, tenants, sync, dtype)
             try:
                 for attempt in range(1, retries + 2):
                     times, lat, load = run_mode(step, batches, sync)
@@ -548,7 +587,17 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="tiny,medium", help="comma-separated: tiny, medium")
+    p.add_argument(
+        "--models",
+        default="tiny,medium",
+        help="comma-separated: tiny, medium, qwen2.5-0.5b (random weights, the real shapes)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="the base weights' dtype, ours and peft's (default: bfloat16 on CUDA, else float32)",
+    )
     p.add_argument("--tenants", default="1,4,8", help="comma-separated tenant counts")
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after 1 warm-up)")
     p.add_argument(
@@ -586,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     _quiet_libraries()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -599,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_before": os.getloadavg(),
         "args": vars(args),
     }
-    print(f"device: {meta['device']}")
+    meta["dtype"] = dtype_name
+    print(f"device: {meta['device']}, base weights {dtype_name}")
     print(
         f"torch {torch.__version__}, load average before: "
         + ", ".join(f"{x:.2f}" for x in meta["load_avg_before"])
@@ -621,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
             log,
             args.retries,
             args.max_other_load,
+            dtype,
         )
     meta["wall_s"] = time.perf_counter() - t_start
     meta["load_avg_after"] = os.getloadavg()

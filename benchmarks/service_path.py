@@ -66,10 +66,11 @@ for p in (HERE, HERE.parent):  # benchmarks/ (multi_tenant.py) and the repo (eng
         sys.path.insert(0, str(p))
 
 from multi_tenant import ALPHA, LORA_TARGETS, RANK, build_medium, cache_root  # noqa: E402
+from multi_tenant import model_dir as bench_model_dir  # noqa: E402
 
 LR = 1e-4
 #: per model: (B sequences, T tokens) per step
-SHAPE = {"tiny": (8, 128), "medium": (8, 128), "smollm2": (4, 128)}
+SHAPE = {"tiny": (8, 128), "medium": (8, 128), "smollm2": (4, 128), "qwen2.5-0.5b": (4, 512)}
 TWINKLE = str(Path(sys.executable).parent / "twinkle")
 
 
@@ -84,12 +85,18 @@ def model_dir(name: str, data_dir: Path) -> tuple[Path, str]:
     tiny = build_tiny(cache_root() / "tiny-chat")
     if name == "tiny":
         return tiny, "bench/tiny"
-    if name == "medium":  # the 25 M Qwen2; vocab 2048 = the tiny model's, so its tokenizer fits
-        path = build_medium(cache_root() / "medium-qwen2-h512-l8-v2048-seed0")
+    if name in ("medium", "qwen2.5-0.5b"):
+        # medium: the 25 M Qwen2 (vocab 2048 = the tiny model's); qwen2.5-0.5b: the real model's
+        # shapes with random weights. Training sends token ids, so the tiny tokenizer serves
+        path = (
+            build_medium(cache_root() / "medium-qwen2-h512-l8-v2048-seed0")
+            if name == "medium"
+            else bench_model_dir(name)
+        )
         for f in tiny.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
                 shutil.copy(f, path / f.name)
-        return path, "bench/medium"
+        return path, f"bench/{name}"
     if name == "smollm2":
         from engine.base_models.pull import is_pulled, not_pulled_error, pulled_dir
 
@@ -97,7 +104,30 @@ def model_dir(name: str, data_dir: Path) -> tuple[Path, str]:
         if not is_pulled("smollm2-135m-instruct", home):
             raise SystemExit(str(not_pulled_error("smollm2-135m-instruct")))
         return pulled_dir("smollm2-135m-instruct", home), "bench/smollm2"
-    raise SystemExit(f"unknown model {name!r} (tiny, medium, smollm2)")
+    raise SystemExit(f"unknown model {name!r} (tiny, medium, smollm2, qwen2.5-0.5b)")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where both sides compute: the bare loop's device, and the served model's GPUs."""
+
+    device: str = "cpu"  # or cuda
+    dtype: str = "float32"
+
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def sync(self) -> None:
+        if self.device == "cuda":  # CUDA launches are asynchronous: time finished work only
+            torch.cuda.synchronize()
+
+    def yaml(self) -> str:
+        """The model entry's lines: its dtype, and on CUDA half a GPU each for the Trainer and the
+        Sampler (one GPU, both replicas on it)."""
+        lines = f"    dtype: {self.dtype}\n"
+        if self.device == "cuda":
+            lines += "    sampler: {num_gpus: 0.5}\n"
+        return lines
 
 
 def batches(vocab: int, b: int, t: int, n: int) -> list[np.ndarray]:
@@ -123,12 +153,14 @@ def summarize(times: list[float], tokens: int) -> Side:
 class Bare:
     """The bare loop's model and optimizer, built once, trained block after block."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, placement: Placement = Placement()) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(cores())
-        base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        self.placement = placement
+        base = AutoModelForCausalLM.from_pretrained(str(path), dtype=placement.torch_dtype())
+        base.to(placement.device)
         cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=LORA_TARGETS, lora_dropout=0.0)
         self.model = get_peft_model(base, cfg).train()
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -138,7 +170,8 @@ class Bare:
         times = []
         for i, seq in enumerate(data):
             t0 = time.perf_counter()
-            ids, tgt = torch.from_numpy(seq[:, :-1]), torch.from_numpy(seq[:, 1:])
+            dev = self.placement.device
+            ids, tgt = torch.from_numpy(seq[:, :-1]).to(dev), torch.from_numpy(seq[:, 1:]).to(dev)
             logits = self.model(input_ids=ids, use_cache=False).logits
             loss = torch.nn.functional.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum"
@@ -146,6 +179,7 @@ class Bare:
             loss.backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+            self.placement.sync()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         return times
@@ -170,6 +204,7 @@ def start_server(
     extra_env: dict | None = None,
     extra_yaml: str = "",
     execution: str = "sequential",
+    placement: Placement = Placement(),
 ) -> tuple[subprocess.Popen, str, dict, float]:
     """A `twinkle serve` of ``path`` as ``name`` (Trainer torch threads: ``threads``, None = the
     server's default; ``metrics``: Prometheus metrics on or off; ``ingress``: the gateway's;
@@ -178,13 +213,22 @@ def start_server(
     ready)."""
     port = _free_port()
     config = work / "server.yaml"
-    trainer = f"    trainer: {{torch_threads: {threads}}}\n" if threads else ""
+    opts = ([f"torch_threads: {threads}"] if threads else []) + (
+        ["num_gpus: 0.5"] if placement.device == "cuda" else []
+    )
+    trainer = f"    trainer: {{{', '.join(opts)}}}\n" if opts else ""
     flags = f"ingress: {ingress}" + ("" if metrics else ", metrics_enabled: false")
     gateway = f"gateway: {{{flags}}}\n"
     off = "" if metrics else "engine_metrics: {enabled: false}\n"
     config.write_text(
         f"models:\n  - name: {name}\n    path: {path}\n    max_lora_rank: {RANK}\n"
-        f"    execution: {execution}\n" + trainer + gateway + off + extra_yaml.strip() + "\n"
+        f"    execution: {execution}\n"
+        + trainer
+        + placement.yaml()
+        + gateway
+        + off
+        + extra_yaml.strip()
+        + "\n"
     )
     return start_server_config(config, work, port, extra_env)
 
@@ -402,6 +446,7 @@ def run(
     rounds: int = 3,
     beside: bool = False,
     execution: str = "sequential",
+    placement: Placement = Placement(),
 ) -> list[dict]:
     """One server per (Trainer threads, metrics on, gateway ingress, extra environment) in
     ``variants``, all started
@@ -421,12 +466,21 @@ def run(
         vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size"))
         b, t = SHAPE[name]
         data = batches(vocab, b, t, steps + warmup)
-        bare_loop = Bare(path)
+        bare_loop = Bare(path, placement)
         for k, v in enumerate(vs):
             vdir = work / f"v{k}"
             vdir.mkdir()
             v.proc, v.url, env, v.ready_s = start_server(
-                path, served, vdir, v.threads, v.metrics, v.ingress, v.env, v.yaml, execution
+                path,
+                served,
+                vdir,
+                v.threads,
+                v.metrics,
+                v.ingress,
+                v.env,
+                v.yaml,
+                execution,
+                placement,
             )
             key = subprocess.run(
                 [TWINKLE, "keys", "create", "--user", "bench"],
@@ -575,8 +629,21 @@ def main() -> None:
         default="sequential",
         help="the served model's execution mode (auto: the server's default, probed at start)",
     )
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the bare loop on the GPU, the served Trainer and Sampler on half of it each",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="base weights, both sides (default: bfloat16 on cuda, float32 on cpu)",
+    )
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
+    placement = Placement(a.device, a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
     models = ["tiny"] if a.quick else a.models.split(",")
     steps = 4 if a.quick else a.steps
     threads = [None if v == "default" else int(v) for v in a.trainer_threads.split(",")]
@@ -600,11 +667,13 @@ def main() -> None:
             1 if a.quick else a.rounds,
             beside=a.beside_idle,
             execution=a.execution,
+            placement=placement,
         )
     rounds = 1 if a.quick else a.rounds
     print(
-        f"\ncores: {cores()}; per variant {rounds} round(s) of a bare block (server paused) and "
-        f"a service block, {steps} timed steps each; rank {RANK}; ratio: tokens/s over all rounds"
+        f"\n{placement.device}, {placement.dtype}; cores: {cores()}; per variant {rounds} "
+        f"round(s) of a bare block (server paused) and a service block, {steps} timed steps "
+        f"each; rank {RANK}; ratio: tokens/s over all rounds"
     )
     head = f"{'model':8} {'ingress':>11} {'threads':>8} {'metrics':>8} {'B x T':>8}"
     head += f" {'bare tok/s':>11}"
