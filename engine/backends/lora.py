@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,30 @@ PEFT_PREFIX = "base_model.model."
 
 #: (adapter_id, row_start, row_end): rows [row_start, row_end) of the batch use that adapter.
 Segment = tuple[str, int, int]
+T = TypeVar("T")
+
+
+def row_chunks(
+    segments: Sequence[Segment], n: int, lookup: Callable[[str], T | None]
+) -> list[tuple[int, T | None]]:
+    """The batch's ``n`` rows as consecutive (rows, ``lookup(adapter_id)``) chunks: each segment
+    whose adapter ``lookup`` finds, and the rows between (None: base output only); [] when no
+    segment's adapter is found. Segments are sorted and disjoint (`lora_routing` checks)."""
+    chunks: list[tuple[int, T | None]] = []
+    pos = 0
+    for adapter_id, start, end in segments:
+        if end > n:
+            raise ValueError(f"LoRA segment {adapter_id!r} [{start}, {end}) exceeds batch {n}")
+        w = lookup(adapter_id)
+        if w is None:  # that adapter does not target this layer (base output only)
+            continue
+        if start > pos:
+            chunks.append((start - pos, None))
+        chunks.append((end - start, w))
+        pos = end
+    if chunks and pos < n:
+        chunks.append((n - pos, None))
+    return chunks
 
 
 class _Router:
@@ -103,26 +128,11 @@ class MultiLoraLinear(nn.Module):
         segments = self._router.patch_segments if self.vision else self._router.segments
         if not segments or not self.adapters:
             return out
-        n = x.shape[0]
-        # The batch as consecutive chunks: each adapted segment, and the rows between (base
-        # output only). Each adapted chunk becomes one addmm (base output + delta in the same
-        # GEMM); out itself is never written to (autograd may hold it).
-        chunks: list[tuple[int, LoraWeights | None]] = []  # (rows, adapter)
-        pos = 0
-        for adapter_id, start, end in segments:
-            if end > n:
-                raise ValueError(f"LoRA segment {adapter_id!r} [{start}, {end}) exceeds batch {n}")
-            w = self.adapters.get(adapter_id)
-            if w is None:  # that adapter does not target this layer (base output only)
-                continue
-            if start > pos:
-                chunks.append((start - pos, None))
-            chunks.append((end - start, w))
-            pos = end
+        # Each adapted chunk becomes one addmm (base output + delta in the same GEMM); out
+        # itself is never written to (autograd may hold it).
+        chunks = row_chunks(segments, x.shape[0], self.adapters.get)
         if not chunks:
             return out
-        if pos < n:
-            chunks.append((n - pos, None))
         only = chunks[0][1] if len(chunks) == 1 else None
         if only is not None:  # one adapter over the whole batch: no slicing at all
             return _with_delta(out, x, only)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.lora import PEFT_PREFIX, target_module_names
+from engine.backends.lora import PEFT_PREFIX, row_chunks, target_module_names
 from engine.backends.megatron.arch import Arch
 from engine.protocol import LoraSpec
 
@@ -268,24 +268,11 @@ class MegatronMultiLora:
                 return output
             out, bias = output
             x = args[0] if args else kwargs["input_"]
-            nb = x.shape[1]  # [seq, batch, hidden]
-            chunks: list[tuple[int, str | None]] = []  # (batch rows, adapter), covering [0, nb)
-            pos = 0
-            for adapter_id, start, end in segments:
-                if end > nb:
-                    raise ValueError(
-                        f"LoRA segment {adapter_id!r} [{start}, {end}) exceeds batch {nb}"
-                    )
-                if adapter_id not in site.adapters:  # not a target here: base output only
-                    continue
-                if start > pos:
-                    chunks.append((start - pos, None))
-                chunks.append((end - start, adapter_id))
-                pos = end
+            # megatron's activations are [seq, batch, hidden]: segments are on dim 1
+            found = lambda a: a if a in site.adapters else None  # noqa: E731
+            chunks = row_chunks(segments, x.shape[1], found)
             if not chunks:
                 return output
-            if pos < nb:
-                chunks.append((nb - pos, None))
             # torch.cat and out + ..., not an in-place add: `out` is needed by autograd. split,
             # not x[:, start:end]: each slice's backward zero-fills a full-size gradient.
             only = chunks[0][1] if len(chunks) == 1 else None
