@@ -143,7 +143,7 @@ def _reraise_replica_lost(exc: Exception, method: str) -> None:
     if not any(c.__name__ in _REPLICA_LOST for c in type(exc).__mro__):
         return
     unavailable = any(c.__name__ == "ActorUnavailableError" for c in type(exc).__mro__)
-    died = None if unavailable else str(getattr(exc, "actor_id", None) or "unknown")
+    died = None if unavailable else str(getattr(exc, "actor_id", None) or "")
     raise replica_lost(method, died) from None
 
 

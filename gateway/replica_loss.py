@@ -13,9 +13,17 @@ and is not affected; making a model again (a native model's id repeats within it
 allowed. `ActorUnavailableError` (the actor may be alive and still hold the adapter) ends nothing.
 
 Several gateway replicas: with a shared KV (Redis) a death is published under the replica's key
-(the dead actor's id), and every gateway replica with calls waiting on that Trainer replica reads
-the key once a second (one GET per Trainer replica per second, only while calls wait), so a call
-that another gateway replica's death report dooms fails within about a second too.
+as ``<dead actor's id>@<wall time it was seen>``, and every gateway replica with calls waiting on
+that Trainer replica reads the key once a second (one GET per Trainer replica per second, only
+while calls wait), so a call that another gateway replica's death report dooms fails within about a
+second too. A report dooms only the calls and models that replica had started before the death
+was seen: a replica that saw nothing itself keeps using the life the report ends until its next
+read, and what it started there after the death went to the new Trainer replica (in CI, stop 34, a
+tenant resuming through such a replica had its new model's load_state failed by that replica's
+next read of the old report). A call also reads the key before it starts when the last read is
+over a second old, so a new life's baseline is the report as it stood when the life began.
+Sparing rather than failing a call in doubt costs at worst the slow path (the new replica says
+the adapter is not loaded); failing it wrongly would be an error the tenant did nothing to cause.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -42,7 +52,7 @@ DEATH_TTL_S = 86400.0
 #: models remembered, least recently used dropped first: a forgotten model's call after a death
 #: waits for the new replica and fails there (its adapter is not loaded), as without this module
 MAX_MODELS = 65536
-_UNREAD = b"\0unread"
+_UNREAD = "\0unread"
 
 Target = tuple[str, int]  # (base model, Trainer replica index)
 
@@ -59,43 +69,70 @@ def replica_lost(method: str, died: str | None) -> ReplicaLostError:
     return err
 
 
+def _report(actor: str, seen_at: float) -> bytes:
+    return f"{actor}@{seen_at:.6f}".encode()
+
+
+def _parse(raw: bytes | None) -> tuple[str | None, float]:
+    """(dead actor's id, wall time it was seen) of a published report; a report without a time
+    (an older gateway's) dooms everything started before it was read."""
+    if raw is None:
+        return None, -math.inf
+    actor, _, at = raw.decode(errors="replace").rpartition("@")
+    try:
+        return actor, float(at)
+    except ValueError:
+        return raw.decode(errors="replace"), math.inf
+
+
 class _Life:
     """One life of one Trainer replica, as this process saw it."""
 
-    __slots__ = ("baseline", "dead", "poller", "waiting")
+    __slots__ = ("baseline", "checked", "checking", "dead", "died_at", "poller", "waiting")
 
-    def __init__(self, baseline: bytes | None) -> None:
+    def __init__(self, baseline: str | None) -> None:
         self.dead = False
-        self.waiting: set[asyncio.Future] = set()  # each gets a result when this life ends
-        self.baseline = baseline  # the shared death report when this life began
+        self.died_at = math.inf  # wall time the death was seen: what started before it is lost
+        self.waiting: dict[asyncio.Future, float] = {}  # doom -> its call's wall start time
+        self.baseline = baseline  # the dead actor the shared report named when this life began
         self.poller: asyncio.Task | None = None
+        self.checked = -math.inf  # monotonic time of the last read of the shared report
+        self.checking: asyncio.Future | None = None  # a read in flight, shared by calls
+
+    def lost(self, started: float) -> bool:
+        """Whether something started at wall time ``started`` on this life is gone."""
+        return self.dead and started <= self.died_at
 
 
 class ReplicaLoss:
     def __init__(self) -> None:
         self.kv: KV | None = None  # set when gateway replicas share a KV
         self._lives: dict[Target, _Life] = {}
-        self._models: OrderedDict[str, _Life] = OrderedDict()
-        self._last_death: dict[Target, bytes | None] = {}
+        self._models: OrderedDict[str, tuple[_Life, float]] = OrderedDict()  # -> (life, bound at)
+        self._last_death: dict[Target, str] = {}
         self._tasks: set[asyncio.Task] = set()
 
     async def call(self, target: Target, key: str, method: str, coro: Any) -> Any:
         """Await ``coro`` (a Trainer ``method`` call about model ``key`` on ``target``), failing
         it as soon as ``target`` is known dead."""
-        life = self._lives.get(target)
-        if life is None or life.dead:
-            life = self._lives[target] = _Life(self._last_death.get(target, _UNREAD))
+        try:
+            life = await self._checked_life(target)
+        except BaseException:
+            coro.close()  # cancelled while reading the report: the call never started
+            raise
+        started = time.time()
         seen = self._models.get(key)
-        if seen is not None and seen.dead and method not in CREATES:
+        if seen is not None and seen[0].lost(seen[1]) and method not in CREATES:
             coro.close()
             raise replica_lost(method, "")
-        self._models[key] = life
+        if seen is None or seen[0] is not life:
+            self._models[key] = (life, started)
         self._models.move_to_end(key)
         if len(self._models) > MAX_MODELS:
             self._models.popitem(last=False)
         task = asyncio.ensure_future(coro)
         doom = asyncio.get_running_loop().create_future()
-        life.waiting.add(doom)
+        life.waiting[doom] = started
         if self.kv is not None and life.poller is None:
             life.poller = asyncio.ensure_future(self._poll(target, life))
         try:
@@ -104,7 +141,7 @@ class ReplicaLoss:
                 exc = task.exception()
                 died = getattr(exc, "died", None) if isinstance(exc, ReplicaLostError) else None
                 if died is not None:
-                    self._end(target, life, died)
+                    self._end(target, life, died, time.time())
                 return task.result()
             task.cancel()  # left to Serve it would wait for the replica's successor
             raise replica_lost(method, "")
@@ -112,45 +149,80 @@ class ReplicaLoss:
             task.cancel()
             raise
         finally:
-            life.waiting.discard(doom)
+            life.waiting.pop(doom, None)
             doom.cancel()
 
-    def _end(self, target: Target, life: _Life, died: str, *, heard: bool = False) -> None:
+    def _end(
+        self, target: Target, life: _Life, died: str, seen_at: float, *, heard: bool = False
+    ) -> None:
         if life.dead:
             return
-        life.dead = True
-        for doom in life.waiting:
-            if not doom.done():
+        life.dead, life.died_at = True, seen_at
+        for doom, started in life.waiting.items():
+            if started <= seen_at and not doom.done():
                 doom.set_result(None)
         if not died:
-            return  # Ray named no actor: nothing another replica could tell apart from old news
-        self._last_death[target] = died.encode()
+            # Ray named no actor: nothing another replica could tell apart from old news; the
+            # next life reads the shared report afresh rather than keep an older death's
+            self._last_death.pop(target, None)
+            return
+        self._last_death[target] = died
         if not heard and self.kv is not None:
-            task = asyncio.ensure_future(self._publish(self.kv, target, died))
+            task = asyncio.ensure_future(self._publish(self.kv, target, _report(died, seen_at)))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _publish(self, kv: KV, target: Target, died: str) -> None:
+    async def _publish(self, kv: KV, target: Target, report: bytes) -> None:
         try:
-            await kv.set(_death_key(target), died.encode(), DEATH_TTL_S)
+            await kv.set(_death_key(target), report, DEATH_TTL_S)
         except Exception:  # noqa: BLE001 - other replicas then hear of it from their own calls
             log.warning("could not publish a Trainer replica's death", exc_info=True)
+
+    def _life(self, target: Target) -> _Life:
+        life = self._lives.get(target)
+        if life is None or life.dead:
+            life = self._lives[target] = _Life(self._last_death.get(target, _UNREAD))
+        return life
+
+    async def _checked_life(self, target: Target) -> _Life:
+        """The target's current life, after reading the shared death report when the last read
+        is over `POLL_S` old (calls starting together share one read)."""
+        life = self._life(target)
+        kv = self.kv
+        if kv is None:
+            return life
+        if life.checking is None and time.monotonic() - life.checked >= POLL_S:
+            life.checking = asyncio.ensure_future(self._read(kv, target, life))
+        if life.checking is not None:
+            await asyncio.shield(life.checking)
+        return self._life(target)
+
+    async def _read(self, kv: KV, target: Target, life: _Life) -> None:
+        try:
+            raw = await kv.get(_death_key(target))
+        except Exception:  # noqa: BLE001 - a Redis blip: calls go on, the poller reads again
+            log.warning("could not read Trainer replica deaths from the shared KV", exc_info=True)
+            return
+        finally:
+            life.checked = time.monotonic()
+            life.checking = None
+        actor, seen_at = _parse(raw)
+        if life.baseline == _UNREAD:
+            life.baseline = actor
+        elif actor is not None and actor != life.baseline:
+            self._end(target, life, actor, seen_at, heard=True)
 
     async def _poll(self, target: Target, life: _Life) -> None:
         """While calls wait on ``life``, end it when another gateway replica reports a death."""
         try:
-            if life.baseline == _UNREAD and self.kv is not None:
-                life.baseline = await self.kv.get(_death_key(target))
             while not life.dead and life.waiting:
                 await asyncio.sleep(POLL_S)
                 kv = self.kv
                 if kv is None or life.dead or not life.waiting:
                     break
-                seen = await kv.get(_death_key(target))
-                if seen is not None and seen != life.baseline:
-                    self._end(target, life, seen.decode(), heard=True)
-        except Exception:  # noqa: BLE001 - a Redis blip: the next call starts a new poller
-            log.warning("could not read Trainer replica deaths from the shared KV", exc_info=True)
+                if life.checking is None:
+                    life.checking = asyncio.ensure_future(self._read(kv, target, life))
+                await asyncio.shield(life.checking)
         finally:
             life.poller = None
 

@@ -212,3 +212,77 @@ def test_gateway_replicas_sharing_a_kv_hear_of_each_others_deaths(monkeypatch) -
         assert await late == "forward_backward:model-b"
 
     asyncio.run(main())
+
+
+def test_calls_made_after_another_gateway_replicas_death_report_are_not_doomed_by_it(
+    monkeypatch,
+) -> None:
+    """CI, stop 34: gateway b had seen no death itself and its life's baseline was read before
+    the kill; a model made through b after a's report (on the new replica) had its load_state
+    failed by b's next poll of that report."""
+    monkeypatch.setattr(replica_loss, "POLL_S", 0.05)
+
+    async def main() -> None:
+        replica, kv = _Replica(), MemoryKV()
+        a = EngineClient({"m": {"trainer": replica}}, ray_handles=True)
+        b = EngineClient({"m": {"trainer": replica}}, ray_handles=True)
+        for gw in (a, b):
+            gw.share_replica_deaths(kv)
+        await a.trainer("m", "create_adapter", "model-a")
+        replica.hold = True
+        on_b = asyncio.ensure_future(b.trainer("m", "forward_backward", "model-a", 0))
+        await asyncio.sleep(0.2)  # b's poller read the baseline: no death
+        replica.release.set()
+        await on_b
+        replica.hold, replica.release = False, asyncio.Event()
+        replica.fail["model-a"] = _died("actor-1")
+        with pytest.raises(ReplicaLostError):
+            await a.trainer("m", "forward_backward", "model-a", 1)
+        await a.aclose()  # a's report is published; b saw nothing itself
+
+        # the tenant resumes through b, on the new replica
+        await b.trainer("m", "create_adapter", "model-new")
+        replica.hold = True
+        load = asyncio.ensure_future(b.trainer("m", "load_state", "model-new", "ckpt"))
+        await asyncio.sleep(0.3)  # several polls of the report
+        assert not load.done()
+        replica.release.set()
+        assert await load == "load_state:model-new"
+        replica.hold = False
+        assert await b.trainer("m", "forward_backward", "model-new", 2) == (
+            "forward_backward:model-new"
+        )
+        # and b does know that model-a's state is gone
+        with pytest.raises(ReplicaLostError):
+            await _soon(b.trainer("m", "forward_backward", "model-a", 3), within_s=0.5)
+
+    asyncio.run(main())
+
+
+def test_a_death_ray_named_no_actor_for_is_not_published(monkeypatch) -> None:
+    """Another replica could not tell an unnamed report from the next death's, so none is made;
+    the gateway that saw it still fails its own calls."""
+    monkeypatch.setattr(replica_loss, "POLL_S", 0.05)
+
+    async def main() -> None:
+        replica, kv = _Replica(), MemoryKV()
+        a = EngineClient({"m": {"trainer": replica}}, ray_handles=True)
+        a.share_replica_deaths(kv)
+        await a.trainer("m", "create_adapter", "model-a")
+        replica.fail["model-a"] = ActorDiedError()  # no actor id
+        with pytest.raises(ReplicaLostError):
+            await a.trainer("m", "forward_backward", "model-a", 1)
+        await a.aclose()
+        assert await kv.get("trainer-death:m:0") is None
+        with pytest.raises(ReplicaLostError):
+            await a.trainer("m", "optim_step", "model-a", 2)
+        del replica.fail["model-a"]
+        await a.trainer("m", "create_adapter", "model-b")
+        replica.fail["model-b"] = _died("actor-2")
+        with pytest.raises(ReplicaLostError):
+            await a.trainer("m", "forward_backward", "model-b", 1)
+        await a.aclose()
+        actor, _, at = (await kv.get("trainer-death:m:0")).decode().rpartition("@")
+        assert actor == "actor-2" and abs(float(at) - time.time()) < 5
+
+    asyncio.run(main())
