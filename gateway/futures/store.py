@@ -259,7 +259,7 @@ class FutureStore:
         return FutureRecord.from_bytes(raw) if raw is not None else None
 
     # -- submit / run ------------------------------------------------------------------------------
-    def submit(
+    async def submit(
         self,
         *,
         user_id: int,
@@ -271,7 +271,9 @@ class FutureStore:
         claim: Claim | None = None,
     ) -> FutureRecord:
         """Create a future and start ``run`` in the background. With ``claim`` (from `claim`), the
-        future is the one of the claimed key."""
+        future is the one of the claimed key. Shared mode: returns once the pending record is in
+        the shared KV (one SET), so a retrieve_future another replica answers finds it; in CI
+        (stop 35) a poll that reached the other replica before this write was answered 404."""
         self._expire()
         if claim is not None:
             idem_key, fp = claim.key, claim.fp
@@ -290,11 +292,17 @@ class FutureStore:
             self._by_idem[idem_key] = rec.request_id
         if claim is not None:
             self._settle(claim, rec.request_id)
-        self._start(rec, run)
+        mirrored = False
+        try:
+            mirrored = await self._mirror(rec)  # before the client hears the id
+        finally:  # started even if this request is cancelled: the key's claim is settled
+            self._start(rec, run, mirror_first=not mirrored)
         return rec
 
-    def _start(self, rec: FutureRecord, run: Callable[[], Awaitable[Result]]) -> None:
-        task = asyncio.get_running_loop().create_task(self._drive(rec, run))
+    def _start(
+        self, rec: FutureRecord, run: Callable[[], Awaitable[Result]], *, mirror_first: bool = True
+    ) -> None:
+        task = asyncio.get_running_loop().create_task(self._drive(rec, run, mirror_first))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -327,8 +335,11 @@ class FutureStore:
             await asyncio.sleep(delay)
         await self._mirror(rec)
 
-    async def _drive(self, rec: FutureRecord, run: Callable[[], Awaitable[Result]]) -> None:
-        await self._mirror(rec)
+    async def _drive(
+        self, rec: FutureRecord, run: Callable[[], Awaitable[Result]], mirror_first: bool
+    ) -> None:
+        if mirror_first:
+            await self._mirror(rec)
         try:
             fmt, value = await run()
             if fmt == "proto":

@@ -178,5 +178,5 @@ async def unload_model(
         await engine.trainer(run.base_model, "delete_adapter", run.id)
         return "json", {"model_id": run.id, "type": "unload_model"}
 
-    rec = futures.submit(user_id=who.user_id, kind="unload_model", run=run_)
+    rec = await futures.submit(user_id=who.user_id, kind="unload_model", run=run_)
     return {"request_id": rec.request_id, "model_id": run.id}

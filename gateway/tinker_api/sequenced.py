@@ -116,7 +116,7 @@ async def submit_once(
     released and the error propagates. Without a key, prepare and submit."""
     if key is None:
         run, extra = await prepare()
-        return t.futures.submit(user_id=t.who.user_id, kind=kind, run=run, extra=extra, fp=fp)
+        return await t.futures.submit(user_id=t.who.user_id, kind=kind, run=run, extra=extra, fp=fp)
     got = await t.futures.claim(key, fp)
     if isinstance(got, FutureRecord):
         return got
@@ -125,7 +125,7 @@ async def submit_once(
     except BaseException:
         await t.futures.release(got)
         raise
-    return t.futures.submit(user_id=t.who.user_id, kind=kind, run=run, extra=extra, claim=got)
+    return await t.futures.submit(user_id=t.who.user_id, kind=kind, run=run, extra=extra, claim=got)
 
 
 async def submit_sequenced(

@@ -236,7 +236,7 @@ def test_claim_is_atomic_across_replicas(kv_kind) -> None:
                 return got.request_id
             assert isinstance(got, Claim)
             await asyncio.sleep(0.05)  # the quota charge between claim and submit
-            return store.submit(user_id=1, kind="t", run=run, claim=got).request_id
+            return (await store.submit(user_id=1, kind="t", run=run, claim=got)).request_id
 
         ids = await asyncio.gather(*(submit(i) for i in range(N)))
         with pytest.raises(Exception, match="seq_id: 1 of m"):
