@@ -6,7 +6,8 @@ see shared docs twinkle-native-protocol.md), on our own small data, so that CI (
 upstream checkout) runs them with upstream's real client. Each flow prints one line
 ``RESULT <json>`` that tests/e2e/test_upstream_client.py checks and compares across clients.
 
-    python flows.py {labels|sft|dpo|grpo|tinker_sft|tinker_dpo|embedding|tenant} [--other-key KEY]
+    python flows.py {labels|sft|dpo|grpo|tinker_sft|tinker_dpo|embedding|ledger|tenant}
+        [--other-key KEY]
 
 Environment: TWINKLE_SERVER_URL, TWINKLE_SERVER_TOKEN, TWINKLE_MODEL_ID_ALIASES (maps
 ``ms://twinkle/tiny-chat`` to the tiny model's folder, so upstream's client-side Template loads
@@ -301,6 +302,29 @@ def flow_embedding() -> None:
     out(losses=losses, metrics=metrics)
 
 
+def flow_ledger() -> None:
+    """One of each metered operation (tests/gateway/test_ledger_parity.py): an adapter, one
+    trained batch, one checkpoint save, one sample; prints the tokens trained and the session."""
+    c = client()
+    rows = [dict(r) for r in sft_rows(2)]
+    model = _model("default", "CrossEntropyLoss", 1e-4)
+    model.forward_backward(inputs=rows)
+    model.save(name="ledger", save_optimizer=False)
+    sampler = vLLMSampler(model_id=MODEL_ID)
+    sampler.set_template("Qwen3_5Template", model_id=MODEL_ID)
+    sampler.sample(
+        inputs=[{"messages": [{"role": "user", "content": "Name a colour."}]}],
+        sampling_params={"max_tokens": 3, "temperature": 0.0},
+    )
+    if OURS:
+        session = c.session_id
+    else:
+        from twinkle_client.http.utils import get_session_id
+
+        session = get_session_id()
+    out(tokens=sum(len(r["input_ids"]) for r in rows), session=session, ours=OURS)
+
+
 def _status(exc: BaseException) -> int | None:
     resp = getattr(exc, "response", None)
     return getattr(resp, "status_code", None) or getattr(exc, "status_code", None)
@@ -357,5 +381,5 @@ if __name__ == "__main__":
     else:
         flows = {"labels": flow_labels, "sft": flow_sft, "dpo": flow_dpo, "grpo": flow_grpo}
         flows.update(tinker_dpo=flow_tinker_dpo, tinker_sft=flow_tinker_sft)
-        flows["embedding"] = flow_embedding
+        flows.update(embedding=flow_embedding, ledger=flow_ledger)
         flows[name]()
