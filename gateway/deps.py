@@ -7,7 +7,7 @@ theirs, so ids of other tenants leak nothing.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Path, Query, Request
 from sqlmodel import Session
@@ -22,33 +22,39 @@ from gateway.futures.store import FutureStore
 from gateway.runs.checkpoints import CHECKPOINT_DELETED
 from gateway.settings import Secrets, Settings
 
+if TYPE_CHECKING:
+    from gateway.context import AppServices
+
+
+def _services(request: Request) -> AppServices:
+    return request.app.state.services
+
 
 # The dependencies below are ``async def`` although they do no I/O: FastAPI runs a plain ``def``
 # dependency in its threadpool, and a training step's four requests resolved ~20 of them (two
 # thread switches each, measured in the gateway's profile on the 2-core CPU). A Session opens no
 # connection until it is used.
 async def get_db(request: Request) -> AsyncIterator[Session]:
-    with Session(request.app.state.db_engine) as session:
-        hook = getattr(request.app.state, "checkpoint_deleted", None)
-        if hook is not None:
-            session.info[CHECKPOINT_DELETED] = hook
+    services = _services(request)
+    with Session(services.db_engine) as session:
+        session.info[CHECKPOINT_DELETED] = services.checkpoint_deleted
         yield session
 
 
 async def get_engine(request: Request) -> EngineClient:
-    return request.app.state.engine_client
+    return _services(request).engine
 
 
 async def get_futures(request: Request) -> FutureStore:
-    return request.app.state.futures
+    return _services(request).futures
 
 
 async def get_config(request: Request) -> ServerConfig:
-    return request.app.state.server_config
+    return _services(request).config
 
 
 async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    return _services(request).settings
 
 
 #: the largest integer a BIGINT column or OFFSET holds (SQLite and Postgres: signed 64-bit).
@@ -77,7 +83,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
 async def get_secrets(request: Request) -> Secrets:
-    return request.app.state.secrets
+    return _services(request).secrets
 
 
 SecretsDep = Annotated[Secrets, Depends(get_secrets)]

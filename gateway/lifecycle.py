@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -28,6 +29,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.deps import ConfigDep, EngineDep
 from gateway.errors import error_response
+
+if TYPE_CHECKING:  # gateway.context imports this module: the type only
+    from gateway.context import AppServices
 
 #: paths still served while draining: they finish or observe work already accepted
 DRAIN_ALLOWED = (
@@ -110,7 +114,8 @@ async def livez() -> dict:
 @router.get("/readyz")
 async def readyz(request: Request, config: ConfigDep, engine: EngineDep) -> JSONResponse:
     """Readiness: not draining, and every model's Trainer and Sampler replicas answer."""
-    drain: Drain = request.app.state.drain
+    services: AppServices = request.app.state.services
+    drain = services.drain
     if drain.draining:
         return JSONResponse({"status": "draining", **drain.status()}, status_code=503)
     try:

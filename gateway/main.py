@@ -15,11 +15,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from gateway import admin_api, openai_api, twinkle_api
+from gateway import admin_api, openai_api, tinker_api, twinkle_api
 from gateway.accounts.jwt import build_jwt
 from gateway.accounts.usage import UsageLedger
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.config import ServerConfig, effective_redis_url
+from gateway.context import AppServices, running_services
 from gateway.db import make_engine
 from gateway.engine_client import EngineClient
 from gateway.errors import register_exception_handlers
@@ -34,95 +35,127 @@ from gateway.quotas import build_quotas
 from gateway.runs.expiry import sweep_forever
 from gateway.runs.request_log import RequestLog
 from gateway.settings import Secrets, Settings
-from gateway.tinker_api import (
-    checkpoints,
-    compat,
-    custom_losses,
-    exports,
-    jobs,
-    retrieve,
-    runs,
-    sampling,
-    saves,
-    session_queries,
-    session_search,
-    session_traces,
-    sessions,
-    training,
-)
+from gateway.tinker_api import jobs
 
 log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings, config: ServerConfig, engine_client: EngineClient) -> FastAPI:
+    """The app: services built in its lifespan (`build_services`), middleware, routers."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.db_engine = make_engine(settings.database_url)
-        app.state.secrets = Secrets.load(settings.data_dir)
-        # With Redis (TWINKLE_REDIS_URL or gateway.redis_url), futures, idempotency keys and quota
-        # state are shared by gateway replicas and survive restarts.
-        redis_url = effective_redis_url(settings.redis_url, config)
-        app.state.kv = make_kv(redis_url)
-        app.state.futures = FutureStore(
-            make_kv(redis_url),
-            result_ttl_s=config.future_ttl_seconds,
-            shared=redis_url is not None,
-        )
-        app.state.futures.job_runner = lambda job: jobs.runner(engine_client, job)
-        if redis_url is not None:  # gateway replicas tell each other of dead Trainer replicas
-            engine_client.share_replica_deaths(app.state.kv)
-        request_log = RequestLog(app.state.db_engine)
-        app.state.futures.on_finish = request_log.record
-        app.state.trace_builds = {}  # session id → the task building its trace file
-        await app.state.futures.start()
-        app.state.quotas = build_quotas(config, app.state.db_engine, redis_url)
-        if app.state.metrics is not None:
-            app.state.quotas.on_denial = app.state.metrics.quota_denied
-        app.state.jwt = build_jwt(
-            app.state.secrets.jwt, config.gateway.jwt_enabled, config.gateway.jwt_ttl_seconds
-        )
-        app.state.usage = UsageLedger(app.state.db_engine)
-        loop = asyncio.get_running_loop()
-        app.state.checkpoint_deleted = _checkpoint_releaser(
-            app.state.db_engine, app.state.quotas, loop
-        )
-        background = [
-            loop.create_task(
-                sweep_forever(
-                    app.state.db_engine,
-                    engine_client,
-                    config,
-                    app.state.quotas,
-                    app.state.checkpoint_deleted,
-                )
-            ),
-            loop.create_task(app.state.usage.run_storage_accrual()),
-            loop.create_task(request_log.run_flusher()),
-        ]
-        try:
+        services = build_services(settings, config, engine_client, drain, metrics)
+        app.state.services = services
+        async with _running(services):
             yield
-        finally:
-            for task in background:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-            await app.state.futures.aclose()
-            with contextlib.suppress(Exception):
-                await request_log.flush()
-            engine_client.share_replica_deaths(None)
-            await engine_client.aclose()
-            await app.state.kv.aclose()
-            await app.state.quotas.aclose()
-            app.state.db_engine.dispose()
 
     app = FastAPI(title="Twinkle", version="0.1.0", lifespan=lifespan)
-    app.state.settings = settings
-    app.state.server_config = config
-    app.state.engine_client = engine_client
     register_exception_handlers(app)
+    drain = _drain(app, config)
+    # `twinkle serve` (gateway/cli/serve.py) starts the drain on SIGTERM through app.state
+    app.state.drain = drain
+    metrics = _add_middleware(app, settings, config, drain)
+    _include_routers(app, config)
+    return app
+
+
+def build_services(
+    settings: Settings,
+    config: ServerConfig,
+    engine_client: EngineClient,
+    drain: Drain,
+    metrics: GatewayMetrics | None,
+) -> AppServices:
+    """Everything the app runs on. With Redis (TWINKLE_REDIS_URL or gateway.redis_url), futures,
+    idempotency keys and quota state are shared by gateway replicas and survive restarts."""
+    db_engine = make_engine(settings.database_url)
+    secrets = Secrets.load(settings.data_dir)
+    redis_url = effective_redis_url(settings.redis_url, config)
+    futures = FutureStore(
+        make_kv(redis_url), result_ttl_s=config.future_ttl_seconds, shared=redis_url is not None
+    )
+    futures.job_runner = lambda job: jobs.runner(engine_client, job)
+    request_log = RequestLog(db_engine)
+    futures.on_finish = request_log.record
+    quotas = build_quotas(config, db_engine, redis_url)
+    if metrics is not None:
+        quotas.on_denial = metrics.quota_denied
+    kv = make_kv(redis_url)
+    if redis_url is not None:  # gateway replicas tell each other of dead Trainer replicas
+        engine_client.share_replica_deaths(kv)
+    return AppServices(
+        settings=settings,
+        config=config,
+        engine=engine_client,
+        db_engine=db_engine,
+        secrets=secrets,
+        kv=kv,
+        futures=futures,
+        quotas=quotas,
+        usage=UsageLedger(db_engine),
+        request_log=request_log,
+        jwt=build_jwt(secrets.jwt, config.gateway.jwt_enabled, config.gateway.jwt_ttl_seconds),
+        checkpoint_deleted=_checkpoint_releaser(db_engine, quotas, asyncio.get_running_loop()),
+        drain=drain,
+        metrics=metrics,
+    )
+
+
+@asynccontextmanager
+async def _running(s: AppServices) -> AsyncIterator[None]:
+    """The services' background work (expiry sweep, storage accrual, request-log flush) while
+    the app serves; everything closed in order after."""
+    await s.futures.start()
+    loop = asyncio.get_running_loop()
+    background = [
+        loop.create_task(
+            sweep_forever(s.db_engine, s.engine, s.config, s.quotas, s.checkpoint_deleted)
+        ),
+        loop.create_task(s.usage.run_storage_accrual()),
+        loop.create_task(s.request_log.run_flusher()),
+    ]
+    try:
+        yield
+    finally:
+        for task in background:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await s.futures.aclose()
+        with contextlib.suppress(Exception):
+            await s.request_log.flush()
+        s.engine.share_replica_deaths(None)
+        await s.engine.aclose()
+        await s.kv.aclose()
+        await s.quotas.aclose()
+        s.db_engine.dispose()
+
+
+def _pending(app: FastAPI) -> int:
+    s = running_services(app)
+    return s.futures.pending_count() if s is not None else 0
+
+
+def _uncollected(app: FastAPI) -> int:
+    s = running_services(app)
+    return s.futures.uncollected_count() if s is not None else 0
+
+
+def _drain(app: FastAPI, config: ServerConfig) -> Drain:
+    return Drain(config.drain_retry_after_seconds, lambda: _pending(app), lambda: _uncollected(app))
+
+
+def _add_middleware(
+    app: FastAPI, settings: Settings, config: ServerConfig, drain: Drain
+) -> GatewayMetrics | None:
+    """The middleware stack, innermost first; the metrics it reports to, if enabled."""
     # Starlette wraps the last added outermost: request ids and deprecation headers around the
     # idempotent replay (which answers with the request id).
-    app.add_middleware(IdempotencyKeyMiddleware, kv_getter=lambda: getattr(app.state, "kv", None))
+    app.add_middleware(
+        IdempotencyKeyMiddleware,
+        kv_getter=lambda: s.kv if (s := running_services(app)) is not None else None,
+    )
     app.add_middleware(
         RequestHeadersMiddleware,
         deprecated_below=config.sdk_deprecated_below,
@@ -130,42 +163,31 @@ def create_app(settings: Settings, config: ServerConfig, engine_client: EngineCl
     )
     # While draining (SIGTERM under `twinkle serve`), new work gets 503 + Retry-After; outside
     # the request-id middleware so the 503 carries the client's request id like any error.
-    app.state.drain = Drain(
-        config.drain_retry_after_seconds,
-        lambda: app.state.futures.pending_count() if hasattr(app.state, "futures") else 0,
-        lambda: app.state.futures.uncollected_count() if hasattr(app.state, "futures") else 0,
-    )
-    app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    app.add_middleware(DrainMiddleware, drain=drain)
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=config.gateway.max_request_body_mb * 1024 * 1024
     )
+    if not config.gateway.metrics_enabled:
+        return None
     # Metrics are added last, so outermost: they see the status of replays and rendered errors.
-    app.state.metrics = None
+    metrics = GatewayMetrics(lambda: _pending(app))
+    metrics.registry.register(
+        StorageCollector(
+            lambda: s.db_engine if (s := running_services(app)) is not None else None,
+            settings.data_dir,
+            config.gateway.default_user_quotas.get("max_checkpoint_bytes"),
+        )
+    )
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return metrics
+
+
+def _include_routers(app: FastAPI, config: ServerConfig) -> None:
     if config.gateway.metrics_enabled:
-        app.state.metrics = GatewayMetrics(
-            lambda: app.state.futures.pending_count() if hasattr(app.state, "futures") else 0
-        )
-        app.state.metrics.registry.register(
-            StorageCollector(
-                lambda: getattr(app.state, "db_engine", None),
-                settings.data_dir,
-                config.gateway.default_user_quotas.get("max_checkpoint_bytes"),
-            )
-        )
-        app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
         app.include_router(metrics_router(config.gateway.metrics_require_admin))
-    # exports / checkpoints before runs: their .../{checkpoint_id:path}/publish|ttl|... routes
-    # must be tried before runs' DELETE .../{checkpoint_id:path}.
     app.include_router(lifecycle_router)
-    for module in (sessions, session_search, session_queries, session_traces, training):
-        app.include_router(module.router)
-    for module in (custom_losses, saves, exports, sampling, retrieve, compat):
-        app.include_router(module.router)
-    for module in (checkpoints, runs, openai_api, twinkle_api):
-        app.include_router(module.router)
-    for router in admin_api.routers():
-        app.include_router(router)
-    return app
+    for dialect in (tinker_api, openai_api, twinkle_api, admin_api):
+        app.include_router(dialect.router)
 
 
 def _checkpoint_releaser(db_engine, quotas, loop: asyncio.AbstractEventLoop):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import (
@@ -39,6 +40,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.accounts.keys import get_admin_principal
 from gateway.quotas.limits import QUOTAS
+
+if TYPE_CHECKING:  # gateway.context imports this module: the type only
+    from gateway.context import AppServices
 
 UNMATCHED = "unmatched"
 _CONVERTOR = re.compile(r"\{(\w+):\w+\}")
@@ -140,7 +144,9 @@ def metrics_router(require_admin: bool) -> APIRouter:
 
     @router.get("/metrics", include_in_schema=False, dependencies=deps)
     def metrics(request: Request) -> Response:
-        m: GatewayMetrics = request.app.state.metrics
+        services: AppServices = request.app.state.services
+        m = services.metrics
+        assert m is not None  # the route exists only when metrics are enabled
         return Response(m.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -14,13 +14,16 @@ import logging
 import threading
 import time
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from gateway.db.tables import AuditEventRow
+
+if TYPE_CHECKING:  # gateway.context imports this module: the type only
+    from gateway.context import AppServices
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +72,12 @@ def _denied_allowed() -> bool:
 
 def record_denied(request: Request, principal: Any, reason: str) -> None:
     """An ``access_denied`` event for this request (method, path, reason, who if known)."""
-    engine = getattr(request.app.state, "db_engine", None)
-    if engine is None or not _denied_allowed():
+    services: AppServices | None = getattr(request.app.state, "services", None)
+    if services is None or not _denied_allowed():  # an app outside its lifespan: no DB yet
         return
     details = {"method": request.method, "path": request.url.path, "reason": reason}
     try:
-        with Session(engine) as session:
+        with Session(services.db_engine) as session:
             record_event(
                 session,
                 "access_denied",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy import Engine
@@ -23,6 +23,9 @@ from starlette.datastructures import Headers
 
 from gateway.db.tables import ApiKeyRow, OrganizationRow, UserRow, utcnow
 from gateway.errors import AuthenticationError, InvalidTokenError, PermissionDeniedError
+
+if TYPE_CHECKING:  # gateway.context imports this module: the type only
+    from gateway.context import AppServices
 
 KEY_PREFIX = "tml-"
 KEY_RANDOM_BYTES = 32
@@ -143,13 +146,14 @@ def authenticate_engine(engine: Engine, raw_key: str | None, jwt_verifier=None) 
 
 
 def get_principal(request: Request) -> Principal:
-    """FastAPI dependency (sync: runs in the threadpool). Uses ``request.app.state.db_engine``
-    (and ``app.state.jwt`` when JWT mode is on) and leaves the result on
-    ``request.state.principal`` for logging and metrics. Failures are audited (no key inside)."""
-    jwt = getattr(request.app.state, "jwt", None)
+    """FastAPI dependency (sync: runs in the threadpool). Uses the app services' DB engine
+    (and JWT issuer when JWT mode is on) and leaves the result on ``request.state.principal``
+    for logging and metrics. Failures are audited (no key inside)."""
+    services: AppServices = request.app.state.services
+    jwt = services.jwt
     try:
         principal = authenticate_engine(
-            request.app.state.db_engine,
+            services.db_engine,
             extract_api_key(request.headers),
             jwt.verify if jwt is not None else None,
         )

@@ -10,18 +10,12 @@
   Tinker SDK's ``AdminClient`` calls, scoped to the caller's organization.
 """
 
-from __future__ import annotations
-
 from fastapi import APIRouter
 
+from gateway.admin_api import admin, admin_overview, admin_quotas, auth_routes, tinker_admin
 
-def routers() -> list[APIRouter]:
-    from gateway.admin_api import admin, admin_overview, admin_quotas, auth_routes, tinker_admin
+router = APIRouter()
+for _module in (admin, admin_quotas, admin_overview, auth_routes, tinker_admin):
+    router.include_router(_module.router)
 
-    return [
-        admin.router,
-        admin_quotas.router,
-        admin_overview.router,
-        auth_routes.router,
-        tinker_admin.router,
-    ]
+__all__ = ["router"]

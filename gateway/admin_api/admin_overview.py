@@ -19,6 +19,7 @@ from sqlmodel import col, select
 
 from gateway.accounts.keys import AdminPrincipalDep
 from gateway.accounts.usage import hour_of
+from gateway.context import services_of
 from gateway.db.tables import UsageBucketRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep
 
@@ -77,7 +78,7 @@ def _model_row(m, trainer: dict, sampler: dict) -> dict:
 
 def _request_counts(request: Request) -> dict:
     """HTTP requests answered by this replica since it started (None without metrics)."""
-    metrics = getattr(request.app.state, "metrics", None)
+    metrics = services_of(request.app).metrics
     if metrics is None:
         return {"total": None, "server_errors": None, "client_errors": None}
     total = server = client = 0

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 
 from gateway.accounts.keys import PrincipalDep
 from gateway.accounts.service import revoke_key
+from gateway.context import ServicesDep
 from gateway.db.tables import ApiKeyRow
 from gateway.deps import DbDep
 from gateway.errors import NotFoundError, PermissionDeniedError
@@ -15,8 +16,8 @@ router = APIRouter(prefix="/api/v1/auth")
 
 
 @router.post("/token")
-async def auth_token(who: PrincipalDep, request: Request) -> dict:
-    issuer = getattr(request.app.state, "jwt", None)
+async def auth_token(who: PrincipalDep, request: Request, services: ServicesDep) -> dict:
+    issuer = services.jwt
     if issuer is None:
         raise NotFoundError("JWT auth is not enabled on this server (gateway.jwt_enabled)")
     if request.headers.get("x-api-key", "").startswith("eyJ"):

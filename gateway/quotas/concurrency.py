@@ -16,13 +16,16 @@ request (the Tinker ``asample`` future). ``release`` is idempotent.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Self
+from typing import TYPE_CHECKING, Annotated, Self
 
 from fastapi import Depends, Request
 
 from gateway.accounts.keys import Principal
 from gateway.quotas import Quotas
 from gateway.quotas.limits import Limits
+
+if TYPE_CHECKING:  # gateway.context imports this module: the type only
+    from gateway.context import AppServices
 
 
 class SamplingSlot:
@@ -83,7 +86,8 @@ class SamplingLimiter:
 
 
 async def get_sampling_limiter(request: Request) -> SamplingLimiter:
-    return SamplingLimiter(request.app.state.quotas)
+    services: AppServices = request.app.state.services
+    return SamplingLimiter(services.quotas)
 
 
 SamplingLimiterDep = Annotated[SamplingLimiter, Depends(get_sampling_limiter)]

@@ -18,7 +18,7 @@ a subject is seen by the store.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy import Engine
@@ -30,6 +30,9 @@ from gateway.db.tables import CheckpointRow, SessionRow, TrainingRunRow, UserRow
 from gateway.errors import QuotaExceededError, RateLimitedError
 from gateway.quotas.limits import Limits, resolve_limits
 from gateway.quotas.store import Denial, GaugeCheck, MemoryQuotaStore, RateCheck, RedisQuotaStore
+
+if TYPE_CHECKING:  # gateway.context imports this module: the type only
+    from gateway.context import AppServices
 
 __all__ = [
     "MemoryQuotaStore",
@@ -332,7 +335,8 @@ class Quotas:
 
 
 async def get_quotas(request: Request) -> Quotas:
-    return request.app.state.quotas
+    services: AppServices = request.app.state.services
+    return services.quotas
 
 
 QuotasDep = Annotated[Quotas, Depends(get_quotas)]

@@ -25,12 +25,13 @@ from engine.protocol import (
     CUSTOM_LOSS_MAX_NODES,
     CustomLossGraph,
 )
+from gateway.context import ContextDep, RequestContext
 from gateway.db.tables import CustomLossRow, TrainingRunRow
 from gateway.deps import owned_session
 from gateway.errors import InvalidRequestError
 from gateway.futures.store import fingerprint
 from gateway.tinker_api.schemas import returns
-from gateway.tinker_api.sequenced import Prepared, Tinker, TinkerDep, submit_once
+from gateway.tinker_api.sequenced import Prepared, submit_once
 
 router = APIRouter(prefix="/api/v1")
 _INPUTS = 16  # the SDK's limit, logprobs included
@@ -105,7 +106,7 @@ def _graph(req: CreateCustomLossRequest) -> CustomLossGraph:
 
 
 @router.post("/create_custom_loss", **returns(CustomLossFutureResponse))
-async def create_custom_loss(req: CreateCustomLossRequest, t: TinkerDep) -> dict:
+async def create_custom_loss(req: CreateCustomLossRequest, t: ContextDep) -> dict:
     """Check a traced loss (400 naming the node when refused) and keep it for this session;
     the future resolves to its ``loss_id``."""
     if not t.config.custom_loss_server_side:
@@ -151,7 +152,7 @@ async def create_custom_loss(req: CreateCustomLossRequest, t: TinkerDep) -> dict
     return {"request_id": rec.request_id}
 
 
-def attached_graph(t: Tinker, run: TrainingRunRow, config: dict) -> dict | None:
+def attached_graph(t: RequestContext, run: TrainingRunRow, config: dict) -> dict | None:
     """The stored graph (JSON, for the job) of a ``custom`` forward_backward of ``run``; None
     for other losses. An unknown loss_id, or another session's, is an InvalidRequestError."""
     if not t.config.custom_loss_server_side:

@@ -28,6 +28,7 @@ import pyrage
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
+from gateway.context import ContextDep
 from gateway.db.tables import CheckpointRow, utcnow
 from gateway.deps import ROW_ID_MAX, ConfigDep, DbDep, PrincipalDep, SecretsDep, owned_run
 from gateway.errors import (
@@ -38,14 +39,15 @@ from gateway.errors import (
 )
 from gateway.futures.store import fingerprint
 from gateway.runs.checkpoints import validate_name
-from gateway.tinker_api.saves import SaveSpec, prepare_save
+from gateway.tinker_api.saves import prepare_save
 from gateway.tinker_api.schemas import (
     ExternalWeightsUrlsResponse,
     FutureResponse,
     SaveWeightsExternalRequest,
     returns,
 )
-from gateway.tinker_api.sequenced import Run, TinkerDep, future_json, submit_sequenced
+from gateway.tinker_api.sequenced import Run, future_json, submit_sequenced
+from gateway.training.checkpoints import SaveSpec
 
 router = APIRouter(prefix="/api/v1")
 EXPORT_FILES = ("adapter_model.safetensors", "adapter_config.json")
@@ -88,7 +90,7 @@ def _signature(key: bytes, row: CheckpointRow, filename: str, expires: int) -> s
 
 
 @router.post("/save_weights_external", **returns(FutureResponse))
-async def save_weights_external(req: SaveWeightsExternalRequest, t: TinkerDep) -> dict:
+async def save_weights_external(req: SaveWeightsExternalRequest, t: ContextDep) -> dict:
     """Export the adapter in PEFT format under external_weights/<path>, in seq_id order."""
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(t.db, t.who, req.model_id, live=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from engine.protocol import ImagePart, SampleInput, SamplingParams
+from gateway.context import ContextDep, RequestContext
 from gateway.db.tables import SamplingSessionRow, TrainingRunRow
 from gateway.deps import ConfigDep, DbDep, PrincipalDep, owned_sampler, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.futures.store import fingerprint
 from gateway.images import check_images, json_image_chunk
-from gateway.quotas.concurrency import SamplingLimiter, SamplingLimiterDep
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.runs.request_log import trace_tag
 from gateway.tinker_api.proto_codec import encode_sample_output, target_ids_from_wire
@@ -22,7 +22,9 @@ from gateway.tinker_api.schemas import (
     SampleRequest,
     returns,
 )
-from gateway.tinker_api.sequenced import Prepared, Run, Tinker, TinkerDep, submit_once
+from gateway.tinker_api.sequenced import Prepared, Run, submit_once
+from gateway.training import metering
+from gateway.training.sampling import sampling_params
 
 router = APIRouter(prefix="/api/v1")
 DEFAULT_MAX_TOKENS = 128
@@ -78,24 +80,14 @@ async def get_sampler(sampler_id: str, who: PrincipalDep, db: DbDep) -> dict:
 
 def _sampling_params(req: SampleRequest) -> SamplingParams:
     sp = req.sampling_params
-    stop = sp.stop
-    strings: list[str] = []
-    token_ids: list[int] = []
-    if isinstance(stop, str):
-        strings = [stop]
-    elif isinstance(stop, list) and stop and isinstance(stop[0], int):
-        token_ids = [int(t) for t in stop]
-    elif isinstance(stop, list):
-        strings = [str(s) for s in stop]
-    return SamplingParams(
+    return sampling_params(
+        stop=sp.stop,
+        eos="unless_stop",
         max_tokens=sp.max_tokens or DEFAULT_MAX_TOKENS,
         temperature=sp.temperature,
         top_p=sp.top_p,
         top_k=sp.top_k,
         seed=sp.seed,
-        stop_strings=strings,
-        stop_token_ids=token_ids,
-        stop_at_eos=stop is None,
     )
 
 
@@ -124,7 +116,7 @@ def _prompt(req: SampleRequest) -> tuple[list[int], list[ImagePart]]:
 
 
 @router.post("/asample", **returns(SampleFutureResponse))
-async def asample(req: SampleRequest, t: TinkerDep, limiter: SamplingLimiterDep) -> dict:
+async def asample(req: SampleRequest, t: ContextDep) -> dict:
     """Sample from a sampling session (or a base model / checkpoint path); protobuf result."""
     trace = None
     if req.sampling_session_id:
@@ -142,7 +134,7 @@ async def asample(req: SampleRequest, t: TinkerDep, limiter: SamplingLimiterDep)
     fp = fingerprint(req.model_dump(mode="json"))
 
     async def prepare() -> Prepared:
-        run = await _sample_run(t, limiter, req, base, adapter_dir)
+        run = await _sample_run(t, req, base, adapter_dir)
         return run, {"sequence_ids": [], "trace": trace}
 
     rec = await submit_once(t, idem, fp, "sample", prepare)
@@ -152,7 +144,10 @@ async def asample(req: SampleRequest, t: TinkerDep, limiter: SamplingLimiterDep)
 
 
 async def _sample_run(
-    t: Tinker, limiter: SamplingLimiter, req: SampleRequest, base: str, adapter_dir: str | None
+    t: RequestContext,
+    req: SampleRequest,
+    base: str,
+    adapter_dir: str | None,
 ) -> Run:
     """Charge the token rate and take a sampling slot; the coroutine samples, records usage, and
     gives back the slot and the unused tokens."""
@@ -176,44 +171,25 @@ async def _sample_run(
         prompt_alt_tokens_k=req.prompt_alt_tokens_k,
         target_prompt_ids=target_ids,
     )
-    # Token rate: prompt + the most it may sample is charged up front (429 + retry-after when
-    # over; the unused part is refunded). Then one slot of the concurrent-sampling limit from
-    # submit until the future finishes; over it: 429, no future is recorded, the SDK retries.
-    who, quotas, engine, ledger = t.who, limiter.quotas, t.engine, t.usage
-    limits = quotas.limits(who, t.db)
+    # One slot of the concurrent-sampling limit from submit until the future finishes, and the
+    # token rate: prompt + the most it may sample charged up front, the unused part refunded.
+    # Over either: 429 + retry-after, no future is recorded, the SDK retries.
     n_prompt = len(inp.prompt_tokens) + sum(p.expected_tokens or 1 for p in images)
-    budget = n_prompt + inp.params.max_tokens * inp.num_samples
-    charged = await quotas.charge_tokens(who, "sample", budget, limits)
-    try:
-        slot = await limiter.acquire(who, limits)
-    except BaseException:
-        await quotas.refund_tokens(charged, budget)
-        raise
+    # the sampling session's client session (a sampler id is "<session>:sample:<n>")
     session_id = req.sampling_session_id.split(":")[0] if req.sampling_session_id else None
+    async with metering.admitted(t, session_id) as adm:
+        await adm.meter(base, n_prompt, inp.params.max_tokens * inp.num_samples)
+    engine = t.engine
     # a sampling session sticks to one Sampler replica (its adapter stays cached there)
     affinity = req.sampling_session_id or adapter_dir
 
     async def run_() -> tuple[str, object]:
-        used = 0
+        sampled = None
         try:
             out = await engine.sampler(base, "sample", inp, affinity=affinity)
             sampled = sum(len(s.tokens) for s in out.sequences)
-            used = n_prompt + sampled
-            for kind, n in (
-                ("sampling_prefill", n_prompt),
-                ("sampling_sample", sampled),
-            ):
-                ledger.record(
-                    user_id=who.user_id,
-                    org_id=who.org_id,
-                    kind=kind,
-                    quantity=n,
-                    session_id=session_id,
-                    base_model=base,
-                )
             return "proto", encode_sample_output(out, target_csr)
         finally:
-            await slot.release()
-            await quotas.refund_tokens(charged, budget - used)
+            await adm.finish(sampled)
 
     return run_

@@ -1,104 +1,44 @@
 """Tinker save endpoints: save_weights (training state) and save_weights_for_sampler (named or
-ephemeral, backing a sampler), and the save steps save_weights_external uses too.
+ephemeral, backing a sampler), and `prepare_save`, which save_weights_external uses too.
 
-A save runs in three steps: `reserve_save` (before submit: refuse an existing name without
-overwrite, reserve the checkpoint count / bytes quotas, pick a fresh directory), `run_save` (in the
-future, in the model's seq_id order in the Trainer: write the state, then commit the real size and
-record usage) and `record_save` (the checkpoint row, replacing an overwritten one, and the sampler
-an ephemeral save backs). A refused save still passes its seq_id (`sequenced.submit_sequenced`).
+A save is `gateway.training.checkpoints`' three steps: reserve before submit, then (in the
+future, in the model's seq_id order in the Trainer) write and record. A refused save still passes
+its seq_id (`sequenced.submit_sequenced`).
 """
 
 from __future__ import annotations
 
-import shutil
-from dataclasses import dataclass
-from datetime import datetime, timedelta
-from pathlib import Path
-
 from fastapi import APIRouter
-from sqlalchemy import Connection, Engine
-from sqlmodel import Session, col, select
 
-from gateway.db.tables import CheckpointRow, SamplingSessionRow, TrainingRunRow, utcnow
+from gateway.context import ContextDep, RequestContext
+from gateway.db.tables import TrainingRunRow
 from gateway.deps import owned_run
 from gateway.errors import InvalidRequestError
 from gateway.futures.store import fingerprint
-from gateway.runs.checkpoints import ParsedPath, new_storage_dir, validate_name
+from gateway.runs.checkpoints import validate_name
 from gateway.tinker_api.schemas import (
     FutureResponse,
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
     returns,
 )
-from gateway.tinker_api.sequenced import Run, Tinker, TinkerDep, future_json, submit_sequenced
+from gateway.tinker_api.sequenced import Run, future_json, submit_sequenced
+from gateway.training import checkpoints
+from gateway.training.checkpoints import Reservation, SaveSpec
 
 router = APIRouter(prefix="/api/v1")
 #: ephemeral sampler weights expire after a day: they only back that sampling session
 EPHEMERAL_TTL_S = 86400
 
 
-@dataclass(frozen=True)
-class SaveSpec:
-    """What a save writes: ``kind`` is "training" (weights/), "sampler" or "external"."""
-
-    kind: str
-    name: str
-    overwrite: bool
-    ttl_seconds: int | None
-    user_metadata: dict | None
-    include_optimizer: bool
-    ephemeral: bool = False
-    #: an ephemeral save creates this sampling session, and the future answers its id
-    sampling_session_id: str | None = None
-    #: an export encrypted to these age recipients (gateway/tinker_api/exports.py)
-    age_recipients: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """A save accepted before submit: its path, fresh directory, and whether it replaces one."""
-
-    parsed: ParsedPath
-    directory: Path
-    replaces: bool
-    expires_at: datetime | None
-
-
-async def reserve_save(t: Tinker, run: TrainingRunRow, spec: SaveSpec) -> Reservation:
-    """Refuse an existing name without overwrite (400), reserve the checkpoint quotas of a kept
-    save (403 at a cap), and make the directory. Both refusals fail the seq_id in order."""
-    parsed = ParsedPath(run.id, spec.kind, spec.name)
-    existing = t.db.exec(
-        select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path)
-    ).first()
-    if existing is not None and not spec.overwrite and not spec.ephemeral:
-        raise InvalidRequestError(
-            f"path: checkpoint {parsed.tinker_path} already exists; "
-            "pass overwrite=True to replace it"
-        )
-    if not spec.ephemeral:  # the run's last checkpoint size estimates this one's
-        last = t.db.exec(
-            select(CheckpointRow.size_bytes)
-            .where(CheckpointRow.run_id == run.id)
-            .order_by(col(CheckpointRow.created_at).desc())
-        ).first()
-        await t.quotas.reserve_checkpoint(t.who, parsed.tinker_path, int(last or 0), t.db)
-    directory = new_storage_dir(t.settings.data_dir, t.who.user_id, parsed)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    expires = None
-    if spec.ttl_seconds is not None:
-        expires = utcnow() + timedelta(seconds=spec.ttl_seconds)
-    return Reservation(parsed, directory, existing is not None, expires)
-
-
 async def run_save(
-    t: Tinker, run: TrainingRunRow, seq_id: int, spec: SaveSpec, res: Reservation
+    t: RequestContext, run: TrainingRunRow, seq_id: int, spec: SaveSpec, res: Reservation
 ) -> int:
-    """Write the state in seq order; then commit its real size to the quotas and record usage
-    (a failed save releases a fresh reservation). Returns the size in bytes."""
-    who, path = t.who, res.parsed.tinker_path
-    try:
-        size = await t.engine.trainer(
+    """Write the state in seq order (`checkpoints.write`: commit or release, usage). Returns the
+    size in bytes."""
+
+    async def save_state() -> int:
+        return await t.engine.trainer(
             run.base_model,
             "save_state",
             run.id,
@@ -107,66 +47,8 @@ async def run_save(
             spec.include_optimizer,
             spec.age_recipients,
         )
-    except BaseException:
-        if not spec.ephemeral and not res.replaces:
-            await t.quotas.release_checkpoint(who.user_id, who.org_id, path)
-        raise
-    if not spec.ephemeral:
-        await t.quotas.commit_checkpoint(who.user_id, who.org_id, path, size)
-        t.usage.record(
-            user_id=who.user_id,
-            org_id=who.org_id,
-            kind="checkpoint",
-            quantity=1,
-            session_id=run.session_id,
-            base_model=run.base_model,
-        )
-    return size
 
-
-def record_save(
-    bind: Engine | Connection,
-    user_id: int,
-    run: TrainingRunRow,
-    spec: SaveSpec,
-    res: Reservation,
-    size: int,
-) -> None:
-    """The checkpoint row (an overwritten one and its files are removed), and the sampling session
-    an ephemeral save backs. Its own DB session: the request's is closed by now."""
-    path = res.parsed.tinker_path
-    with Session(bind) as s:
-        old = s.exec(select(CheckpointRow).where(CheckpointRow.tinker_path == path)).first()
-        if old is not None:
-            shutil.rmtree(old.storage_dir, ignore_errors=True)
-            s.delete(old)
-            s.flush()
-        s.add(
-            CheckpointRow(
-                run_id=run.id,
-                user_id=user_id,
-                kind=spec.kind,
-                name=spec.name,
-                tinker_path=path,
-                storage_dir=str(res.directory),
-                size_bytes=size,
-                ephemeral=spec.ephemeral,
-                user_metadata=spec.user_metadata or {},
-                expires_at=res.expires_at,
-            )
-        )
-        if spec.sampling_session_id is not None:
-            s.add(
-                SamplingSessionRow(
-                    id=spec.sampling_session_id,
-                    session_id=run.session_id,
-                    user_id=user_id,
-                    base_model=run.base_model,
-                    model_path=path,
-                    adapter_dir=str(res.directory),
-                )
-            )
-        s.commit()
+    return await checkpoints.write(t, run, spec, res, save_state)
 
 
 def save_result(spec: SaveSpec, res: Reservation, size: int) -> dict:
@@ -179,21 +61,21 @@ def save_result(spec: SaveSpec, res: Reservation, size: int) -> dict:
     return {"path": res.parsed.tinker_path, "type": rtype}
 
 
-async def prepare_save(t: Tinker, run: TrainingRunRow, seq_id: int, spec: SaveSpec) -> Run:
+async def prepare_save(t: RequestContext, run: TrainingRunRow, seq_id: int, spec: SaveSpec) -> Run:
     """Reserve now; the returned coroutine runs and records the save."""
-    res = await reserve_save(t, run, spec)
+    res = await checkpoints.reserve(t, run, spec)
     bind = t.db.get_bind()
 
     async def run_() -> tuple[str, object]:
         size = await run_save(t, run, seq_id, spec, res)
-        record_save(bind, t.who.user_id, run, spec, res, size)
+        checkpoints.record(bind, t.who.user_id, run, spec, res, size)
         return "json", save_result(spec, res, size)
 
     return run_
 
 
 @router.post("/save_weights", **returns(FutureResponse))
-async def save_weights(req: SaveWeightsRequest, t: TinkerDep) -> dict:
+async def save_weights(req: SaveWeightsRequest, t: ContextDep) -> dict:
     """Save the model's training state (weights and optimizer) under weights/<path>."""
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(t.db, t.who, req.model_id, live=True)
@@ -214,7 +96,7 @@ async def save_weights(req: SaveWeightsRequest, t: TinkerDep) -> dict:
 
 
 @router.post("/save_weights_for_sampler", **returns(FutureResponse))
-async def save_weights_for_sampler(req: SaveWeightsForSamplerRequest, t: TinkerDep) -> dict:
+async def save_weights_for_sampler(req: SaveWeightsForSamplerRequest, t: ContextDep) -> dict:
     """Save sampler weights: named (sampler_weights/<path>) or ephemeral, backing a new sampler."""
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(t.db, t.who, req.model_id, live=True)

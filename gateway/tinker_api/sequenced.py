@@ -1,7 +1,7 @@
 """Submitting Tinker requests as futures exactly once: the service layer under the Tinker routes.
 
-Owns: `Tinker` (the services one request uses, as one FastAPI dependency), `touch`,
-`in_order_rejection`, `submit_once` and `submit_sequenced`.
+Owns: `touch`, `in_order_rejection`, `submit_once` and `submit_sequenced`, on the request's
+`gateway.context.RequestContext`.
 
 `submit_sequenced` is the one path of a request in a model's seq_id order (forward,
 forward_backward, optim_step, in-place load_weights, the saves and exports):
@@ -25,59 +25,21 @@ into a new model, asample with a seq_id).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, Request
 from sqlmodel import Session
 
-from gateway.accounts.keys import Principal
-from gateway.accounts.usage import UsageLedger
-from gateway.config import ServerConfig
+from gateway.context import RequestContext
 from gateway.db.tables import TrainingRunRow, utcnow
-from gateway.deps import DbDep, EngineDep, FuturesDep, PrincipalDep
 from gateway.engine_client import EngineClient
 from gateway.errors import InvalidRequestError, PayloadTooLargeError, QuotaExceededError
-from gateway.futures.store import FutureRecord, FutureStore
-from gateway.quotas import Quotas, QuotasDep
+from gateway.futures.store import FutureRecord
 from gateway.runs.request_log import trace_tag
-from gateway.settings import Settings
 from gateway.tinker_api import jobs
 
 Run = jobs.Run
 #: what `submit_once`'s prepare step returns: the engine coroutine and the record's extra fields
 Prepared = tuple[Run, dict[str, Any]]
-
-
-@dataclass
-class Tinker:
-    """The services one Tinker request uses (resolved once per request by `TinkerDep`)."""
-
-    who: Principal
-    db: Session
-    engine: EngineClient
-    futures: FutureStore
-    quotas: Quotas
-    usage: UsageLedger
-    settings: Settings
-    config: ServerConfig
-
-
-async def get_tinker(
-    request: Request,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    futures: FuturesDep,
-    quotas: QuotasDep,
-) -> Tinker:
-    state = request.app.state
-    return Tinker(
-        who, db, engine, futures, quotas, state.usage, state.settings, state.server_config
-    )
-
-
-TinkerDep = Annotated[Tinker, Depends(get_tinker)]
 
 
 #: `touch` writes a run's last request time at most this often: it is shown to the second-ish
@@ -105,7 +67,7 @@ def in_order_rejection(engine: EngineClient, run: TrainingRunRow, seq_id: int, m
 
 
 async def submit_once(
-    t: Tinker,
+    t: RequestContext,
     key: tuple[str, int] | None,
     fp: str | None,
     kind: str,
@@ -129,7 +91,7 @@ async def submit_once(
 
 
 async def submit_sequenced(
-    t: Tinker,
+    t: RequestContext,
     run: TrainingRunRow,
     seq_id: int,
     fp: str | None,

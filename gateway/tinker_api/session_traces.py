@@ -23,6 +23,7 @@ import time
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
+from gateway.context import ServicesDep
 from gateway.db.tables import SessionRow
 from gateway.deps import ConfigDep, DbDep, PrincipalDep, SecretsDep, SettingsDep
 from gateway.errors import GoneError, NotFoundError, PermissionDeniedError
@@ -42,6 +43,7 @@ def _signature(key: bytes, session_id: str, expires: int) -> str:
 async def export_session_trace(
     session_id: str,
     request: Request,
+    services: ServicesDep,
     who: PrincipalDep,
     db: DbDep,
     secrets: SecretsDep,
@@ -52,10 +54,10 @@ async def export_session_trace(
     row = db.get(SessionRow, session_id)
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"session_id: session {session_id!r} not found")
-    builds: dict[str, asyncio.Task] = request.app.state.trace_builds
+    builds = services.trace_builds
     task = builds.get(session_id)
     if task is None:
-        engine, data_dir = request.app.state.db_engine, settings.data_dir
+        engine, data_dir = services.db_engine, settings.data_dir
         builds[session_id] = asyncio.create_task(
             asyncio.to_thread(build_trace_file, engine, data_dir, session_id)
         )

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sqlmodel import select
 
+from gateway.context import ServicesDep
 from gateway.db.tables import SessionRow, TrainingRunRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, owned_session
 from gateway.errors import NotFoundError
@@ -49,19 +50,17 @@ async def healthz(config: ConfigDep, engine: EngineDep) -> dict | JSONResponse:
 
 
 @router.post("/client/config", **returns(ClientConfigResponse))
-async def client_config(
-    req: ClientConfigRequest, who: PrincipalDep, request: Request, config: ConfigDep
-) -> dict:
+async def client_config(req: ClientConfigRequest, who: PrincipalDep, services: ServicesDep) -> dict:
     """The features this server negotiates with the SDK."""
     # Features are negotiated here. API keys (or JWTs when gateway.jwt_enabled), uncompressed
     # protobuf fwd/bwd bodies, no session-wide retrieve_futures, custom losses server-side unless
     # configured off (tinker-protocol.md §10; gateway/tinker_api/custom_losses.py).
     return {
-        "pjwt_auth_enabled": getattr(request.app.state, "jwt", None) is not None,
+        "pjwt_auth_enabled": services.jwt is not None,
         "proto_compress_fwdbwd": False,
         "sample_use_retrieve_futures": False,
         "sample_join_sampling_session": False,
-        "custom_loss_server_side": config.custom_loss_server_side,
+        "custom_loss_server_side": services.config.custom_loss_server_side,
     }
 
 

@@ -15,6 +15,7 @@ import zstandard
 from fastapi import APIRouter, Request
 
 from engine.protocol import CUSTOM_LOSS_FN, AdamParams, LoraSpec
+from gateway.context import ContextDep, RequestContext
 from gateway.db.tables import TrainingRunRow
 from gateway.deps import owned_run, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
@@ -33,21 +34,14 @@ from gateway.tinker_api.schemas import (
     OptimStepRequest,
     returns,
 )
-from gateway.tinker_api.sequenced import (
-    Prepared,
-    Run,
-    Tinker,
-    TinkerDep,
-    future_json,
-    submit_once,
-    submit_sequenced,
-)
+from gateway.tinker_api.sequenced import Prepared, Run, future_json, submit_once, submit_sequenced
+from gateway.training import metering, runs
 
 router = APIRouter(prefix="/api/v1")
 _MAX_BODY = 256 * 1024 * 1024  # 256 MiB decompressed: far above the SDK's 5 MB chunks
 
 
-def _lora_spec(req: CreateModelRequest, t: Tinker) -> LoraSpec:
+def _lora_spec(req: CreateModelRequest, t: RequestContext) -> LoraSpec:
     """The adapter of a create_model request, or a 400 naming the field."""
     model_cfg = t.config.model(req.base_model)
     if model_cfg is None:
@@ -58,11 +52,7 @@ def _lora_spec(req: CreateModelRequest, t: Tinker) -> LoraSpec:
     rank = req.lora_config.rank
     if rank & (rank - 1):
         raise InvalidRequestError(f"lora_config.rank must be a power of 2, got {rank}")
-    if rank > model_cfg.max_lora_rank:
-        raise InvalidRequestError(
-            f"lora_config.rank {rank} exceeds max LoRA rank {model_cfg.max_lora_rank} "
-            f"for model {req.base_model}"
-        )
+    runs.check_rank("lora_config.rank", rank, model_cfg.max_lora_rank, req.base_model)
     opt_type = (req.optimizer_config or {}).get("type", "adamw")
     if opt_type != "adamw":
         raise InvalidRequestError(
@@ -78,19 +68,15 @@ def _lora_spec(req: CreateModelRequest, t: Tinker) -> LoraSpec:
     )
 
 
-async def _add_run(t: Tinker, run: TrainingRunRow) -> None:
-    """Insert a new model's row after its quota checks (400 if the id is taken, 403 at a cap)."""
+async def _add_run(t: RequestContext, run: TrainingRunRow) -> None:
+    """Open a new model's run (400 if the id is taken, 403 at a cap)."""
     if t.db.get(TrainingRunRow, run.id) is not None:
         raise InvalidRequestError(f"model_seq_id: model {run.id} already exists in this session")
-    limits = t.quotas.limits(t.who, t.db)
-    t.quotas.check_lora_rank(t.who, run.lora_rank, limits)
-    await t.quotas.acquire_training_client(t.who, run.id, limits, t.db)  # 403 at the cap, atomic
-    t.db.add(run)
-    t.db.commit()
+    await runs.open_run(t, run)
 
 
 @router.post("/create_model", **returns(FutureResponse))
-async def create_model(req: CreateModelRequest, t: TinkerDep) -> dict:
+async def create_model(req: CreateModelRequest, t: ContextDep) -> dict:
     """Create a LoRA training model in a session; the future resolves to its model id."""
     fp = fingerprint(req.model_dump(mode="json"))
     session = owned_session(t.db, t.who, req.session_id)
@@ -98,17 +84,8 @@ async def create_model(req: CreateModelRequest, t: TinkerDep) -> dict:
     model_id = f"{session.id}:train:{req.model_seq_id}"
 
     async def prepare() -> Prepared:
-        run = TrainingRunRow(
-            id=model_id,
-            session_id=session.id,
-            user_id=t.who.user_id,
-            base_model=req.base_model,
-            lora_rank=spec.rank,
-            train_attn=spec.train_attn,
-            train_mlp=spec.train_mlp,
-            train_unembed=spec.train_unembed,
-            seed=spec.seed,
-            user_metadata=req.user_metadata or {},
+        run = runs.new_run_row(
+            model_id, session.id, t.who.user_id, req.base_model, spec, req.user_metadata
         )
         await _add_run(t, run)
         job = jobs.create_adapter_job(req.base_model, model_id, spec, str(t.who.user_id))
@@ -120,7 +97,7 @@ async def create_model(req: CreateModelRequest, t: TinkerDep) -> dict:
 
 
 @router.post("/get_info", **returns(GetInfoResponse))
-async def get_info(req: GetInfoRequest, t: TinkerDep) -> dict:
+async def get_info(req: GetInfoRequest, t: ContextDep) -> dict:
     """A training model's base model, LoRA rank and optimizer."""
     run = owned_run(t.db, t.who, req.model_id, live=True)
     return {
@@ -188,7 +165,7 @@ def _decode(body: bytes):
 
 @router.post("/forward", **returns(FutureResponse))  # SDK 0.16.x: forward-only, JSON body
 @router.post("/forward_backward", **returns(FutureResponse))
-async def forward_backward(request: Request, t: TinkerDep) -> dict:
+async def forward_backward(request: Request, t: ContextDep) -> dict:
     """Forward (and backward) over a batch in the model's seq_id order; protobuf in and out."""
     body = await _forward_backward_body(request)
     fp = fingerprint(body)
@@ -220,7 +197,7 @@ async def forward_backward(request: Request, t: TinkerDep) -> dict:
         n_tokens = sum(len(d.tokens) + image_token_count(d) for d in inp.data)
         # Over the rate: 429 + retry-after (the SDK resends this seq_id); a request that can
         # never fit is a QuotaExceededError, which fails this seq_id in order.
-        await t.quotas.charge_tokens(t.who, "train", n_tokens, t.quotas.limits(t.who, t.db))
+        await metering.charge_training(t, n_tokens)
         graph = None
         if inp.loss_fn == CUSTOM_LOSS_FN:  # the session's stored graph travels with the job
             graph = custom_losses.attached_graph(t, run, inp.loss_fn_config)
@@ -231,21 +208,14 @@ async def forward_backward(request: Request, t: TinkerDep) -> dict:
     return future_json(rec, model_id)
 
 
-def _metered(t: Tinker, run: TrainingRunRow, job: jobs.Job, n_tokens: int) -> Run:
+def _metered(t: RequestContext, run: TrainingRunRow, job: jobs.Job, n_tokens: int) -> Run:
     """``job``'s coroutine, recording ``n_tokens`` training tokens in the usage ledger when done."""
     job_run = jobs.runner(t.engine, job)
     who, ledger = t.who, t.usage
 
     async def run_() -> tuple[str, object]:
         out = await job_run()
-        ledger.record(
-            user_id=who.user_id,
-            org_id=who.org_id,
-            kind="training",
-            quantity=n_tokens,
-            session_id=run.session_id,
-            base_model=run.base_model,
-        )
+        metering.record_training(ledger, who, run.session_id, run.base_model, n_tokens)
         return out
 
     run_.job = job  # type: ignore[attr-defined]  # a replica taking over re-runs it
@@ -253,7 +223,7 @@ def _metered(t: Tinker, run: TrainingRunRow, job: jobs.Job, n_tokens: int) -> Ru
 
 
 @router.post("/optim_step", **returns(FutureResponse))
-async def optim_step(req: OptimStepRequest, t: TinkerDep) -> dict:
+async def optim_step(req: OptimStepRequest, t: ContextDep) -> dict:
     """An AdamW step in the model's seq_id order; the future resolves to its metrics."""
     fp = fingerprint(req.model_dump(mode="json"))
     run = owned_run(t.db, t.who, req.model_id, live=True)
@@ -271,7 +241,7 @@ async def optim_step(req: OptimStepRequest, t: TinkerDep) -> dict:
 
 
 @router.post("/load_weights", **returns(FutureResponse))
-async def load_weights(req: LoadWeightsRequest, t: TinkerDep) -> dict:
+async def load_weights(req: LoadWeightsRequest, t: ContextDep) -> dict:
     """Load a saved training state: into a model in place (sequenced), or as a new model."""
     fp = fingerprint(req.model_dump(mode="json"))
     ckpt = readable_checkpoint(t.db, t.who.user_id, req.path, "path")
@@ -312,7 +282,9 @@ async def load_weights(req: LoadWeightsRequest, t: TinkerDep) -> dict:
     return future_json(rec, model_id)
 
 
-def _load_target(t: Tinker, req: LoadWeightsRequest, source: TrainingRunRow) -> tuple[str, str]:
+def _load_target(
+    t: RequestContext, req: LoadWeightsRequest, source: TrainingRunRow
+) -> tuple[str, str]:
     """(session id, model id) of the model a create-via-load makes (400 when it cannot)."""
     if req.session_id is None or req.model_seq_id is None:
         raise InvalidRequestError(
@@ -329,7 +301,12 @@ def _load_target(t: Tinker, req: LoadWeightsRequest, source: TrainingRunRow) -> 
 
 
 def _load_state(
-    t: Tinker, base: str, model_id: str, seq_id: int | None, directory: str, req: LoadWeightsRequest
+    t: RequestContext,
+    base: str,
+    model_id: str,
+    seq_id: int | None,
+    directory: str,
+    req: LoadWeightsRequest,
 ) -> Run:
     """The coroutine loading ``directory`` into ``model_id`` (seq_id None: a new model, created by
     the load for this tenant)."""

@@ -18,6 +18,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from engine.protocol import native_run_id
+from gateway.context import services_of
 from gateway.errors import NotFoundError
 from gateway.futures.kv import KV
 
@@ -80,7 +81,7 @@ class NativeModels:
 
 
 def native_models(request: Request) -> NativeModels:
-    return NativeModels(request.app.state.kv)
+    return NativeModels(services_of(request.app).kv)
 
 
 NativeModelsDep = Annotated[NativeModels, Depends(native_models)]
