@@ -24,14 +24,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import cast
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from sqlmodel import col, or_, select
 
 from engine.errors import UserInputError
 from engine.protocol import ImagePart, SampleInput, SamplingParams
+from gateway.context import ContextDep
 from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
-from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
+from gateway.deps import DbDep, EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.openai_api import responses, streaming
 from gateway.openai_api.admission import admitted
@@ -42,8 +43,8 @@ from gateway.openai_api.chat_images import (
     rename_image_fields,
 )
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
-from gateway.quotas.concurrency import SamplingLimiterDep
 from gateway.runs.checkpoints import readable_checkpoint
+from gateway.training.sampling import sampling_params
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -59,6 +60,10 @@ _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 class Target:
     base_model: str
     adapter_dir: str | None
+    #: the session whose run saved the checkpoint, when it is the caller's own: its sampling
+    #: usage is billed there. An OpenAI request names no session of its own, so sampling a base
+    #: model or someone else's published checkpoint is recorded under no session.
+    session_id: str | None = None
 
 
 def _epoch(ts: datetime | None) -> int:
@@ -86,7 +91,8 @@ def resolve_model(db, who, engine, model: str) -> Target:
                 f"model: checkpoint {name} belongs to base model {run.base_model!r}, "
                 f"not {base_hint!r}"
             )
-        return Target(run.base_model, ckpt.storage_dir)
+        own = run.session_id if run.user_id == who.user_id else None
+        return Target(run.base_model, ckpt.storage_dir, own)
     if engine.serves(name):
         return Target(name, None)
     raise NotFoundError(
@@ -146,14 +152,14 @@ async def get_model(model_id: str, who: PrincipalDep, db: DbDep, engine: EngineD
 
 
 def _params(req, max_tokens: int, stops: list[str]) -> SamplingParams:
-    return SamplingParams(
+    return sampling_params(
+        stop=stops,
+        eos="always",  # OpenAI always ends at EOS; `stop` only adds strings
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
         top_k=-1 if req.top_k in (None, 0) else int(req.top_k),
         seed=req.seed,
-        stop_strings=stops,
-        stop_at_eos=True,  # OpenAI always ends at EOS; `stop` only adds strings
     )
 
 
@@ -262,14 +268,10 @@ async def _encode_chat(
 @router.post("/chat/completions")
 async def chat_completions(
     req: ChatCompletionRequest,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    config: ConfigDep,
-    limiter: SamplingLimiterDep,
-    request: Request,
+    ctx: ContextDep,
 ):
     """A chat completion (or its SSE stream) from a base model or one of your checkpoints."""
+    who, db, engine, config = ctx.who, ctx.db, ctx.engine, ctx.config
     _check_unsupported(req)
     stops = req.stop_strings()
     converted = [message_dict(i, m) for i, m in enumerate(req.messages)]
@@ -279,7 +281,7 @@ async def chat_completions(
     if images:
         check_image_caps(config.model(target.base_model), images)
     fields = [img.field for img in images]
-    async with admitted(request, who, db, limiter) as adm:
+    async with admitted(ctx, target.session_id) as adm:
         prompt, parts = await _encode_chat(engine, target, messages, images)
         n_prompt = len(prompt) + len(parts)  # an image counts as one token (module docstring)
         explicit = req.max_completion_tokens or req.max_tokens
@@ -330,21 +332,17 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 @router.post("/completions")
 async def completions(
     req: CompletionRequest,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    config: ConfigDep,
-    limiter: SamplingLimiterDep,
-    request: Request,
+    ctx: ContextDep,
 ):
     """Text completions (or their SSE stream) of one or more prompts, text or token ids."""
+    who, db, engine, config = ctx.who, ctx.db, ctx.engine, ctx.config
     _check_unsupported(req)
     stops = req.stop_strings()
     prompts = _prompts(req)
     target = resolve_model(db, who, engine, req.model)
     rid, created = responses.new_id("cmpl"), responses.now()
     logprobs = req.logprobs is not None
-    async with admitted(request, who, db, limiter) as adm:
+    async with admitted(ctx, target.session_id) as adm:
         inputs, prompt_tokens, budget = await _completion_inputs(
             req, prompts, engine, target, config, stops
         )

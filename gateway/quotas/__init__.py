@@ -1,5 +1,5 @@
 """Quotas: limits by name (`limits`), their atomic store (`store`), the `Quotas` service and its
-FastAPI dependency (`service`), metering of usage (`metering`), concurrent-sampling slots
+FastAPI dependency (`service`), concurrent-sampling slots
 (`concurrency`). This module only re-exports what routes use."""
 
 from gateway.quotas.service import (

@@ -29,7 +29,6 @@ from gateway.deps import MAX_TTL_S, DbDep, PrincipalDep, SettingsDep, owned_sess
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import ParsedPath, new_storage_dir, parse_path, readable_checkpoint
-from gateway.tinker_api.runs import checkpoint_json
 from gateway.tinker_api.schemas import (
     Checkpoint,
     CopyWeightsResponse,
@@ -37,6 +36,7 @@ from gateway.tinker_api.schemas import (
     WireRequest,
     returns,
 )
+from gateway.training.queries import checkpoint_json
 
 router = APIRouter(prefix="/api/v1")
 

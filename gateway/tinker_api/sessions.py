@@ -31,6 +31,7 @@ from gateway.tinker_api.schemas import (
     TelemetryResponse,
     returns,
 )
+from gateway.training import queries
 
 router = APIRouter(prefix="/api/v1")
 
@@ -134,16 +135,4 @@ async def telemetry(who: PrincipalDep) -> dict:
 @router.get("/get_server_capabilities", **returns(GetServerCapabilitiesResponse))
 async def get_server_capabilities(who: PrincipalDep, config: ConfigDep, engine: EngineDep) -> dict:
     """The models served here, with their context length and max LoRA rank."""
-    models = []
-    for m in config.models:
-        info = await engine.trainer(m.name, "info")
-        models.append(
-            {
-                "model_name": m.name,
-                "max_context_length": m.max_context_length or info.get("max_context_length"),
-                "max_lora_rank": info["max_lora_rank"],
-                "trainable": True,
-                "sampleable": True,
-            }
-        )
-    return {"supported_models": models}
+    return {"supported_models": await queries.served_models(config, engine)}

@@ -1,8 +1,8 @@
 """Native management routes: sessions and heartbeats, capabilities, capacity, training runs and
 checkpoints, and the base models' tokenizer files.
 
-Runs and checkpoints are the same rows the Tinker routes serve (gateway/tinker_api/runs.py is
-reused, so both clients see one list); checkpoint paths are returned in both spellings
+Runs and checkpoints are the same rows the Tinker routes serve (`gateway.training.queries`, so
+both clients see one list); checkpoint paths are returned in both spellings
 (``tinker_path`` and ``twinkle_path``).
 """
 
@@ -27,8 +27,7 @@ from gateway.deps import (
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import delete_checkpoint, readable_checkpoint
-from gateway.tinker_api import runs as tinker_runs
-from gateway.tinker_api import sessions as tinker_sessions
+from gateway.training import queries
 from gateway.twinkle_api.schemas import CreateSessionRequest, HeartbeatRequest
 from gateway.twinkle_api.templates import TOKENIZER_FILES
 
@@ -74,7 +73,7 @@ async def session_heartbeat(req: HeartbeatRequest, who: PrincipalDep, db: DbDep)
 
 @router.get("/get_server_capabilities")
 async def get_server_capabilities(who: PrincipalDep, config: ConfigDep, engine: EngineDep) -> dict:
-    return await tinker_sessions.get_server_capabilities(who, config, engine)
+    return {"supported_models": await queries.served_models(config, engine)}
 
 
 @router.get("/capacity_info")
@@ -105,23 +104,23 @@ async def list_training_runs(
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=DB_INT_MAX),
 ) -> dict:
-    return _with_twinkle_paths(await tinker_runs.list_training_runs(who, db, limit, offset))
+    return _with_twinkle_paths(queries.list_runs(db, who, offset, limit))
 
 
 @router.get("/training_runs/{run_id}")
 async def get_training_run(run_id: str, who: PrincipalDep, db: DbDep) -> dict:
-    return _with_twinkle_paths(await tinker_runs.get_training_run(run_id, who, db))
+    return _with_twinkle_paths(queries.get_run(db, who, run_id))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
 async def list_checkpoints(run_id: str, who: PrincipalDep, db: DbDep) -> dict:
-    return _with_twinkle_paths(await tinker_runs.list_run_checkpoints(run_id, who, db))
+    return _with_twinkle_paths(queries.list_run_checkpoints(db, who, run_id))
 
 
 @router.get("/checkpoint")
 async def get_checkpoint(who: PrincipalDep, db: DbDep, path: str = Query(...)) -> dict:
     row = readable_checkpoint(db, who.user_id, path, "path")
-    return _with_twinkle_paths({"run_id": row.run_id, **tinker_runs.checkpoint_json(row)})
+    return _with_twinkle_paths({"run_id": row.run_id, **queries.checkpoint_json(row)})
 
 
 @router.delete("/checkpoint")

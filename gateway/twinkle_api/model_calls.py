@@ -15,22 +15,19 @@ alike.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlmodel import Session, col, select
 
 from engine.protocol import LoraSpec, lora_spec_from_config
-from gateway.accounts.keys import Principal
-from gateway.db.tables import CheckpointRow, TrainingRunRow, utcnow
-from gateway.engine_client import EngineClient
+from gateway.context import RequestContext
+from gateway.db.tables import CheckpointRow, TrainingRunRow
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.runs.checkpoints import ParsedPath, new_storage_dir, readable_checkpoint, validate_name
-from gateway.settings import Settings
+from gateway.runs.checkpoints import ParsedPath, readable_checkpoint, validate_name
+from gateway.training import checkpoints, metering, runs
 from gateway.twinkle_api.model_registry import NativeModel
 from gateway.twinkle_api.templates import check_processor, check_template
 
@@ -54,27 +51,37 @@ def twinkle_path(tinker_path: str) -> str:
 
 @dataclass
 class Call:
-    """One ``model/{method}`` call: the owned model and what the special methods need."""
+    """One ``model/{method}`` call: the caller's request context (bound to the model's session),
+    the owned model and the adapter it names."""
 
+    ctx: RequestContext
     nm: NativeModel
     adapter: str
-    who: Principal
-    db: Session
-    engine: EngineClient
-    settings: Settings
-    quotas: Any
-    usage: Any = None
 
     async def invoke(self, method: str, kwargs: dict) -> Any:
         nm = self.nm
-        return await self.engine.trainer(
+        return await self.ctx.engine.trainer(
             nm.base_model, "native_call", nm.model_id, nm.tenant, method, self.adapter, kwargs
         )
 
     async def has_adapter(self) -> bool:
         nm = self.nm
-        names = await self.engine.trainer(nm.base_model, "native_adapters", nm.model_id, nm.tenant)
+        names = await self.ctx.engine.trainer(
+            nm.base_model, "native_adapters", nm.model_id, nm.tenant
+        )
         return self.adapter in names
+
+    def run_row(self, spec: LoraSpec) -> TrainingRunRow:
+        """The adapter's run, as a new row (the caller's, in the model's session)."""
+        nm = self.nm
+        return runs.new_run_row(
+            nm.run_id(self.adapter),
+            nm.session_id,
+            self.ctx.who.user_id,
+            nm.base_model,
+            spec,
+            {"client": "twinkle", "adapter_name": self.adapter},
+        )
 
 
 def count_tokens(inputs: Any) -> int:
@@ -95,18 +102,11 @@ def _metered(method: str) -> Callable[[Call, dict], Awaitable[Any]]:
     recorded in the usage ledger once it ran."""
 
     async def run(call: Call, kw: dict) -> Any:
-        who, n = call.who, count_tokens(kw.get("inputs"))
-        await call.quotas.charge_tokens(who, "train", n, call.quotas.limits(who, call.db))
+        n = count_tokens(kw.get("inputs"))
+        await metering.charge_training(call.ctx, n)
         result = await call.invoke(method, kw)
-        if call.usage is not None:
-            call.usage.record(
-                user_id=who.user_id,
-                org_id=who.org_id,
-                kind="training",
-                quantity=n,
-                session_id=call.nm.session_id,
-                base_model=call.nm.base_model,
-            )
+        nm = call.nm
+        metering.record_training(call.ctx.usage, call.ctx.who, nm.session_id, nm.base_model, n)
         return result
 
     return run
@@ -139,8 +139,8 @@ def _checkpoint(call: Call, ref: Any, field: str) -> tuple[CheckpointRow, Traini
     if "://" not in ref:
         validate_name(ref, field)
         ref = ParsedPath(call.nm.run_id(call.adapter), "training", ref).tinker_path
-    ckpt = readable_checkpoint(call.db, call.who.user_id, ref, field)
-    src = call.db.get(TrainingRunRow, ckpt.run_id)
+    ckpt = readable_checkpoint(call.ctx.db, call.ctx.who.user_id, ref, field)
+    src = call.ctx.db.get(TrainingRunRow, ckpt.run_id)
     if src is None or src.base_model != call.nm.base_model:
         base = src.base_model if src else "?"
         raise InvalidRequestError(
@@ -149,36 +149,14 @@ def _checkpoint(call: Call, ref: Any, field: str) -> tuple[CheckpointRow, Traini
     return ckpt, src
 
 
-def _spec_of(run: TrainingRunRow) -> LoraSpec:
-    return LoraSpec(
-        rank=run.lora_rank,
-        train_attn=run.train_attn,
-        train_mlp=run.train_mlp,
-        train_unembed=run.train_unembed,
-        train_vision=run.train_vision,
-        seed=run.seed,
-    )
-
-
 def _ensure_run_row(call: Call, spec: LoraSpec) -> TrainingRunRow:
-    db, rid = call.db, call.nm.run_id(call.adapter)
-    row = db.get(TrainingRunRow, rid)
-    if row is None:
-        row = TrainingRunRow(
-            id=rid,
-            session_id=call.nm.session_id,
-            user_id=call.who.user_id,
-            base_model=call.nm.base_model,
-            lora_rank=spec.rank,
-            train_attn=spec.train_attn,
-            train_mlp=spec.train_mlp,
-            train_unembed=spec.train_unembed,
-            train_vision=spec.train_vision,
-            seed=spec.seed,
-            user_metadata={"client": "twinkle", "adapter_name": call.adapter},
-        )
-        db.add(row)
-        db.commit()
+    """The adapter's run row, written if missing (loading a checkpoint into a fresh adapter)."""
+    db, row = call.ctx.db, call.run_row(spec)
+    existing = db.get(TrainingRunRow, row.id)
+    if existing is not None:
+        return existing
+    db.add(row)
+    db.commit()
     return row
 
 
@@ -196,7 +174,6 @@ def _lora_config(config: Any) -> Any:
 
 
 async def _add_adapter(call: Call, kw: dict) -> None:
-    nm, name, db, who, quotas = call.nm, call.adapter, call.db, call.who, call.quotas
     if kw.get("config") is None:
         raise InvalidRequestError(
             "config: a LoRA config is required (full-parameter training is not offered: the "
@@ -206,110 +183,61 @@ async def _add_adapter(call: Call, kw: dict) -> None:
     # managed storage under twinkle:// names instead (model.save returns the path)
     kw.pop("save_dir", None)
     if await call.has_adapter():
-        raise InvalidRequestError(f"adapter_name: {name!r} exists already in this model")
+        raise InvalidRequestError(f"adapter_name: {call.adapter!r} exists already in this model")
     config = kw["config"] = _lora_config(kw["config"])
     if isinstance(config, str):  # start from a checkpoint's weights
         ckpt, src = _checkpoint(call, config, "config")
-        spec = _spec_of(src)
+        spec = runs.spec_of(src)
         kw["config"] = ckpt.storage_dir
     elif isinstance(config, dict):
         spec = lora_spec_from_config(config)
-        if spec.rank > nm.max_lora_rank:
-            raise InvalidRequestError(
-                f"config.r: rank {spec.rank} exceeds max LoRA rank {nm.max_lora_rank} "
-                f"for model {nm.base_model}"
-            )
+        nm = call.nm
+        runs.check_rank("config.r: rank", spec.rank, nm.max_lora_rank, nm.base_model)
     else:
         raise InvalidRequestError("config: must be a LoRA config or a checkpoint path")
-    # the same quotas as Tinker's create_model: max LoRA rank, concurrent training clients
-    limits = quotas.limits(who, db)
-    quotas.check_lora_rank(who, spec.rank, limits)
-    await quotas.acquire_training_client(who, nm.run_id(name), limits, db)
-    existed = db.get(TrainingRunRow, nm.run_id(name)) is not None
-    row = _ensure_run_row(call, spec)
-    if existed:  # re-added after remove_adapter: the run (and its checkpoints) continue
-        row.lora_rank, row.seed = spec.rank, spec.seed
-        row.train_attn, row.train_mlp = spec.train_attn, spec.train_mlp
-        row.train_unembed, row.train_vision = spec.train_unembed, spec.train_vision
-        db.add(row)
-        db.commit()
+    # the same quotas as Tinker's create_model; re-added after remove_adapter, the run (and its
+    # checkpoints) continue
+    row = call.run_row(spec)
+    created = await runs.open_run(call.ctx, row)
     try:
         await call.invoke("add_adapter_to_model", kw)
     except BaseException:
-        if not existed:
-            db.delete(row)
-            db.commit()
-            await quotas.release_training_clients(who.user_id, who.org_id, [row.id])
+        if created:
+            await runs.close_unused_run(call.ctx, row)
         raise
 
 
 async def _save(call: Call, kw: dict) -> dict:
+    """A save under the checkpoint quotas and in the usage ledger, as a Tinker save
+    (`gateway.training.checkpoints`); the same name again replaces the checkpoint (as upstream)."""
     _no_server_paths(kw)
     kw.pop("save_dir", None)  # a client-machine directory (upstream): storage is the server's
     # upstream's name is optional; unnamed checkpoints get the time, as its server does
-    ckpt_name = validate_name(kw.get("name") or time.strftime("%Y%m%d_%H%M%S"), "name")
-    rid = call.nm.run_id(call.adapter)
-    if call.db.get(TrainingRunRow, rid) is None or not await call.has_adapter():
+    name = validate_name(kw.get("name") or time.strftime("%Y%m%d_%H%M%S"), "name")
+    run = call.ctx.db.get(TrainingRunRow, call.nm.run_id(call.adapter))
+    if run is None or not await call.has_adapter():
         raise NotFoundError(f"adapter_name: adapter {call.adapter!r} is not in this model")
+    meta = {}
+    if kw.get("consumed_train_samples") is not None:
+        meta["consumed_train_samples"] = kw["consumed_train_samples"]
     kind = "sampler" if kw.get("is_sampler") else "training"
-    parsed = ParsedPath(rid, kind, ckpt_name)
-    directory = new_storage_dir(call.settings.data_dir, call.who.user_id, parsed)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    kw.update(name=directory.name, output_dir=str(directory.parent))
-    # the checkpoint quotas (max_checkpoints, max_checkpoint_bytes), as for Tinker's saves: 403
-    # at a cap before any work; the run's last checkpoint size estimates this one's
-    last = call.db.exec(
-        select(CheckpointRow.size_bytes)
-        .where(CheckpointRow.run_id == rid)
-        .order_by(col(CheckpointRow.created_at).desc())
-    ).first()
-    await call.quotas.reserve_checkpoint(call.who, parsed.tinker_path, int(last or 0), call.db)
-    replaces = (
-        call.db.exec(
-            select(CheckpointRow.id).where(CheckpointRow.tinker_path == parsed.tinker_path)
-        ).first()
-        is not None
-    )
-    try:
+    spec = checkpoints.SaveSpec(kind, name, True, None, meta, bool(kw.get("save_optimizer")))
+    res = await checkpoints.reserve(call.ctx, run, spec)
+    kw.update(name=res.directory.name, output_dir=str(res.directory.parent))
+
+    async def save() -> int:
         await call.invoke("save", kw)
-    except BaseException:
-        if not replaces:
-            who = call.who
-            await call.quotas.release_checkpoint(who.user_id, who.org_id, parsed.tinker_path)
-        raise
-    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-    await call.quotas.commit_checkpoint(call.who.user_id, call.who.org_id, parsed.tinker_path, size)
-    with Session(call.db.get_bind()) as s:
-        old = s.exec(select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path))
-        old = old.first()
-        if old is not None:  # same name again: the new checkpoint replaces it (as upstream)
-            shutil.rmtree(old.storage_dir, ignore_errors=True)
-            s.delete(old)
-            s.flush()
-        meta = {}
-        if kw.get("consumed_train_samples") is not None:
-            meta["consumed_train_samples"] = kw["consumed_train_samples"]
-        s.add(
-            CheckpointRow(
-                run_id=rid,
-                user_id=call.who.user_id,
-                kind=kind,
-                name=ckpt_name,
-                tinker_path=parsed.tinker_path,
-                storage_dir=str(directory),
-                size_bytes=size,
-                user_metadata=meta,
-                created_at=utcnow(),
-            )
-        )
-        s.commit()
-    path = twinkle_path(parsed.tinker_path)
+        return checkpoints.directory_size(res.directory)
+
+    size = await checkpoints.write(call.ctx, run, spec, res, save)
+    checkpoints.record(call.ctx.db.get_bind(), call.ctx.who.user_id, run, spec, res, size)
+    path = twinkle_path(res.parsed.tinker_path)
     # upstream answers its server directory as checkpoint_dir; we never reveal server paths, and
     # every call that takes a checkpoint_dir (load, upload_to_hub) accepts the twinkle:// path
     return {
         "twinkle_path": path,
         "checkpoint_dir": path,
-        "checkpoint_id": parsed.checkpoint_id,
+        "checkpoint_id": res.parsed.checkpoint_id,
         "size_bytes": size,
     }
 
@@ -318,7 +246,7 @@ def _loader(method: str) -> Callable[[Call, dict], Awaitable[Any]]:
     async def load(call: Call, kw: dict) -> Any:
         _no_server_paths(kw)
         ckpt, src = _checkpoint(call, kw.get("name"), "name")
-        _ensure_run_row(call, _spec_of(src))
+        _ensure_run_row(call, runs.spec_of(src))
         kw["name"] = ckpt.storage_dir
         result = await call.invoke(method, kw)
         path = twinkle_path(ckpt.tinker_path)

@@ -22,10 +22,11 @@ import json
 import re
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body
 
 from engine.protocol import NATIVE_MODEL_METHODS
-from gateway.deps import DbDep, EngineDep, PrincipalDep, SettingsDep
+from gateway.context import ContextDep
+from gateway.deps import EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError, NotImplementedOnServerError
 from gateway.twinkle_api.model_calls import SPECIAL, Call, jsonable
 from gateway.twinkle_api.model_registry import NativeModel, NativeModelsDep
@@ -136,11 +137,7 @@ def _answer(method: str, result: Any) -> dict:
 async def call(
     method: str,
     nm: OwnedModelDep,
-    request: Request,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    settings: SettingsDep,
+    ctx: ContextDep,
     body: Annotated[dict[str, Any] | None, Body()] = None,
 ) -> dict:
     if method in _UNAVAILABLE:
@@ -155,8 +152,7 @@ async def call(
     body = dict(body or {})
     adapter = _adapter_name(body, method)
     kw = _kwargs(method, body)
-    state = request.app.state
-    c = Call(nm, adapter, who, db, engine, settings, state.quotas, getattr(state, "usage", None))
+    c = Call(ctx.in_session(nm.session_id), nm, adapter)
     handler = SPECIAL.get(method)
     result = await (handler(c, kw) if handler else c.invoke(method, kw))
     return _answer(method, result)

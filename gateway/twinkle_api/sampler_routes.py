@@ -24,17 +24,17 @@ import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body
 from fastapi.responses import StreamingResponse
 
 from engine.errors import EngineError
 from engine.protocol import SampleInput
-from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep
+from gateway.context import ContextDep, RequestContext
+from gateway.deps import PrincipalDep
 from gateway.errors import InvalidRequestError, NotImplementedOnServerError
 from gateway.images import check_images
 from gateway.openai_api import streaming
-from gateway.quotas.concurrency import SamplingLimiterDep
-from gateway.quotas.metering import SampleMeter
+from gateway.training import metering
 from gateway.twinkle_api.native_deps import BaseModelDep, NativeSessionDep
 from gateway.twinkle_api.sampling import (
     IGNORE_INDEX,
@@ -63,8 +63,8 @@ def _template_key(session_id: str, base_model: str) -> str:
     return f"native-sampler-template:{session_id}:{base_model}"
 
 
-async def _template(request: Request, session_id: str, base_model: str) -> TemplateSpec:
-    raw = await request.app.state.kv.get(_template_key(session_id, base_model))
+async def _template(ctx: RequestContext, session_id: str, base_model: str) -> TemplateSpec:
+    raw = await ctx.kv.get(_template_key(session_id, base_model))
     return TemplateSpec(**json.loads(raw)) if raw is not None else TemplateSpec()
 
 
@@ -83,15 +83,13 @@ async def set_template(
     name: BaseModelDep,
     session: NativeSessionDep,
     req: SamplerTemplateRequest,
-    request: Request,
-    config: ConfigDep,
-    settings: SettingsDep,
+    ctx: ContextDep,
 ) -> dict:
     spec = TemplateSpec(name=req.template_cls, kwargs=dict(req.model_extra or {}))
     check_template(spec.name, spec.kwargs, "template_cls")
-    encoder_for(config, settings, name, spec)  # the tokenizer speaks it
+    encoder_for(ctx.config, ctx.settings, name, spec)  # the tokenizer speaks it
     payload = json.dumps(spec.model_dump()).encode()
-    await request.app.state.kv.set(_template_key(session.id, name), payload, TEMPLATE_TTL_S)
+    await ctx.kv.set(_template_key(session.id, name), payload, TEMPLATE_TTL_S)
     return {"status": "ok"}
 
 
@@ -125,65 +123,58 @@ def _request_parts(req: SampleRequest, db, who, base: str):
     return sp, sampling_params(sp), n, adapter_dir_of(db, who, base, req.adapter_uri)
 
 
-@router.post("/{base_model:path}/twinkle/sample")
-async def sample(
-    name: BaseModelDep,
-    session: NativeSessionDep,
-    req: SampleRequest,
-    request: Request,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    config: ConfigDep,
-    settings: SettingsDep,
-    limiter: SamplingLimiterDep,
-) -> dict:
-    enc = encoder_for(config, settings, name, await _template(request, session.id, name))
+async def _prepare(ctx: RequestContext, name: str, session_id: str, req: SampleRequest):
+    """The encoder, inputs, prompts (and their engine parts, images checked against the caps)
+    and sampling parameters of a sample request."""
+    enc = encoder_for(ctx.config, ctx.settings, name, await _template(ctx, session_id, name))
     inputs = _inputs(req)
-    sp, params, n, adapter_dir = _request_parts(req, db, who, name)
+    sp, params, n, adapter_dir = _request_parts(req, ctx.db, ctx.who, name)
     prompts = [enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
     # the engine's view: text tokens and the images at their places (VL models)
     engine_prompts = [
         enc.sample_input_parts(item, p, f"inputs[{i}]")
         for i, (item, p) in enumerate(zip(inputs, prompts, strict=True))
     ]
-    model_cfg = config.model(name)
+    model_cfg = ctx.config.model(name)
     if model_cfg is not None:
         check_images(
             [(f"inputs[{i}].images[{k}]", part) for i, (_, ps) in enumerate(engine_prompts)
              for k, part in enumerate(ps)],
             model_cfg.images,
         )  # fmt: skip
-    limits = limiter.quotas.limits(who, db)
-    async with limiter.acquire(who, limits):
-        # the sample token rate and the usage ledger, as for the Tinker and OpenAI routes
-        meter = await SampleMeter.start(
-            request.app.state, who, limits, name, sum(map(len, prompts)),
-            params.max_tokens * n * len(prompts),
-        )  # fmt: skip
-        sampled = None
-        try:
-            outs = await asyncio.gather(
-                *(
-                    engine.sampler(
-                        name,
-                        "sample",
-                        SampleInput(
-                            prompt_tokens=p,
-                            prompt_images=parts,
-                            num_samples=n,
-                            params=params,
-                            prompt_logprobs=bool(sp.prompt_logprobs),
-                            adapter_dir=adapter_dir,
-                        ),
-                        affinity=adapter_dir,
-                    )
-                    for p, parts in engine_prompts
+    return enc, inputs, prompts, engine_prompts, sp, params, n, adapter_dir
+
+
+@router.post("/{base_model:path}/twinkle/sample")
+async def sample(
+    name: BaseModelDep, session: NativeSessionDep, req: SampleRequest, ctx: ContextDep
+) -> dict:
+    enc, inputs, prompts, engine_prompts, sp, params, n, adapter_dir = await _prepare(
+        ctx, name, session.id, req
+    )
+    # the sample token rate, the concurrent-sampling slot and the usage ledger, as for the
+    # Tinker and OpenAI routes; usage goes to the session of the client's sampler
+    async with metering.admitted(ctx, session.id) as adm:
+        await adm.meter(name, sum(map(len, prompts)), params.max_tokens * n * len(prompts))
+        outs = await asyncio.gather(
+            *(
+                ctx.engine.sampler(
+                    name,
+                    "sample",
+                    SampleInput(
+                        prompt_tokens=p,
+                        prompt_images=parts,
+                        num_samples=n,
+                        params=params,
+                        prompt_logprobs=bool(sp.prompt_logprobs),
+                        adapter_dir=adapter_dir,
+                    ),
+                    affinity=adapter_dir,
                 )
+                for p, parts in engine_prompts
             )
-            sampled = sum(len(s.tokens) for out in outs for s in out.sequences)
-        finally:
-            await meter.finish(sampled)
+        )
+        await adm.finish(sum(len(s.tokens) for out in outs for s in out.sequences))
     samples = []
     for row, prompt, out in zip(inputs, prompts, outs, strict=True):
         seqs = []
@@ -213,33 +204,18 @@ async def sample(
 
 @router.post("/{base_model:path}/twinkle/sample_stream")
 async def sample_stream(
-    name: BaseModelDep,
-    session: NativeSessionDep,
-    req: SampleRequest,
-    request: Request,
-    who: PrincipalDep,
-    db: DbDep,
-    engine: EngineDep,
-    config: ConfigDep,
-    settings: SettingsDep,
-    limiter: SamplingLimiterDep,
+    name: BaseModelDep, session: NativeSessionDep, req: SampleRequest, ctx: ContextDep
 ) -> StreamingResponse:
     """One input, one sample, streamed as NDJSON lines ``{"delta", "finish_reason"}`` while the
     engine generates (upstream's shape); the last line has the finish reason."""
-    enc = encoder_for(config, settings, name, await _template(request, session.id, name))
+    enc = encoder_for(ctx.config, ctx.settings, name, await _template(ctx, session.id, name))
     inputs = _inputs(req)
-    sp, params, n, adapter_dir = _request_parts(req, db, who, name)
+    sp, params, n, adapter_dir = _request_parts(req, ctx.db, ctx.who, name)
     if len(inputs) != 1 or n != 1:
         raise InvalidRequestError("inputs: sample_stream takes one input and num_samples 1")
     prompt = enc.prompt_tokens(inputs[0], "inputs[0]")
-    limits = limiter.quotas.limits(who, db)
-    slot = limiter.acquire(who, limits)
-    await slot.__aenter__()
-    meter = None
-    try:
-        meter = await SampleMeter.start(
-            request.app.state, who, limits, name, len(prompt), params.max_tokens
-        )
+    async with metering.admitted(ctx, session.id) as adm:
+        await adm.meter(name, len(prompt), params.max_tokens)
         text, parts = enc.sample_input_parts(inputs[0], prompt, "inputs[0]")
         inp = SampleInput(
             prompt_tokens=text,
@@ -249,14 +225,9 @@ async def sample_stream(
             adapter_dir=adapter_dir,
         )
         events = await streaming.open_stream(
-            streaming.sample_events(engine, name, inp, params.stop_strings, 0),
+            streaming.sample_events(ctx.engine, name, inp, params.stop_strings, 0),
             lambda exc: InvalidRequestError(f"inputs[0]: {exc}"),
         )
-    except BaseException:
-        if meter is not None:
-            await meter.finish(None)
-        await slot.__aexit__(None, None, None)
-        raise
 
     async def lines() -> AsyncIterator[bytes]:
         sampled = 0
@@ -272,8 +243,7 @@ async def sample_stream(
         except EngineError as exc:
             yield (json.dumps({"error": str(exc)}) + "\n").encode()
         finally:
-            await meter.finish(sampled)
-            await slot.__aexit__(None, None, None)
+            await adm.finish(sampled)
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -13,6 +13,7 @@ from gateway.db.tables import TrainingRunRow
 from gateway.deps import ConfigDep, PrincipalDep, SettingsDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.runs.checkpoints import readable_checkpoint
+from gateway.training import sampling as training_sampling
 from gateway.twinkle_api.schemas import EncodeRequest, SamplingParamsWire
 from gateway.twinkle_api.templates import IGNORE_INDEX, ChatEncoder, check_template, load_tokenizer
 
@@ -79,23 +80,14 @@ def sampling_params(sp: SamplingParamsWire) -> SamplingParams:
             f"sampling_params.repetition_penalty: {sp.repetition_penalty} is not served; only "
             "1.0 (off)"
         )
-    strings: list[str] = []
-    token_ids: list[int] = []
-    if isinstance(sp.stop, str):
-        strings = [sp.stop]
-    elif sp.stop and isinstance(sp.stop[0], int):
-        token_ids = [int(t) for t in sp.stop]
-    elif sp.stop:
-        strings = [str(s) for s in sp.stop]
-    return SamplingParams(
+    return training_sampling.sampling_params(
+        stop=sp.stop,
+        eos="unless_empty_stop",
         max_tokens=sp.max_tokens or DEFAULT_MAX_TOKENS,
         temperature=sp.temperature,
         top_p=sp.top_p,
         top_k=sp.top_k,
         seed=sp.seed,
-        stop_strings=strings,
-        stop_token_ids=token_ids,
-        stop_at_eos=sp.stop is None or bool(sp.stop),
     )
 
 
