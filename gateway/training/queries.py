@@ -2,9 +2,9 @@
 and a checkpoint that every dialect answers (the native routes add ``twinkle_path``).
 
 Owns `served_models` (what the server trains and samples), `list_runs`, `get_run`,
-`visible_run`, `list_run_checkpoints`, `list_user_checkpoints`, `run_json`, `checkpoint_json`. Expired checkpoints are purged before any listing, so they never
-show. ``access_scope`` "owned" is the caller's runs; "accessible" adds runs with a published
-checkpoint.
+`visible_run`, `list_run_checkpoints`, `list_user_checkpoints`, `run_json`, `checkpoint_json`.
+Expired checkpoints are purged before any listing, so they never show. ``access_scope``
+"owned" is the caller's runs; "accessible" adds runs with a published checkpoint.
 """
 
 from __future__ import annotations
