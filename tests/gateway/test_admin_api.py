@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import text
 
+from gateway.context import services_of
 from gateway.db import make_engine
 from tests.gateway.harness import create_model, fwdbwd, model, new_key, session, wait_future
 
@@ -169,7 +170,7 @@ def test_usage_ledger_and_engine_status(env) -> None:
         json={"model_id": mid, "seq_id": 3, "path": "ck"},
     ).json()
     assert wait_future(c, key, save)["path"]
-    ledger = c.app.state.usage
+    ledger = services_of(c.app).usage
     t0 = datetime.now(UTC).replace(tzinfo=None, minute=0, second=0, microsecond=0)
     ledger._last_accrual = None
     ledger.accrue_storage(t0)

@@ -8,6 +8,7 @@ import logging
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fastapi import FastAPI
@@ -47,7 +48,8 @@ def engine(db_path: Path) -> Iterator[Engine]:
 def client(engine: Engine) -> Iterator[TestClient]:
     app = FastAPI()
     register_exception_handlers(app)
-    app.state.db_engine = engine
+    # what get_principal reads of the app's services: the DB engine, and no JWT issuer
+    app.state.services = SimpleNamespace(db_engine=engine, jwt=None)
 
     @app.get("/whoami")
     def whoami(principal: PrincipalDep) -> dict:

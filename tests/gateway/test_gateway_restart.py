@@ -28,6 +28,7 @@ from engine.config import ModelConfig
 from engine.sampler import Sampler
 from engine.trainer import Trainer
 from gateway.config import ServerConfig
+from gateway.context import services_of
 from gateway.db import upgrade_to_head
 from gateway.engine_client import EngineClient
 from gateway.main import create_app
@@ -153,7 +154,7 @@ def test_gateway_restart_mid_training_keeps_losses(env):
         assert entered.wait(30), "forward_backward never reached the Trainer"
         # the optim_step is submitted and waits for its seq_id turn (polled, not slept: a loaded
         # host may take longer than any fixed pause to submit it)
-        old = gw.apps[-1].state.futures
+        old = services_of(gw.apps[-1]).futures
         deadline = time.monotonic() + 30
         while True:
             pending = [r for r in old._futures.values() if not r.done.is_set()]
@@ -169,6 +170,6 @@ def test_gateway_restart_mid_training_keeps_losses(env):
     sc.close("success")
     np.testing.assert_allclose(losses, baseline, rtol=0, atol=1e-6)
     assert baseline[-1] < baseline[0]
-    new = gw.apps[-1].state.futures
+    new = services_of(gw.apps[-1]).futures
     assert new.takeovers >= 2  # the held forward_backward and the optim_step behind it
     assert trainer._once.replays - replays_before >= 2  # answered from the first execution

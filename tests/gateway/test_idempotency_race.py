@@ -25,6 +25,7 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from gateway.accounts.keys import authenticate_engine
+from gateway.context import services_of
 from gateway.futures.kv import KV, MemoryKV, RedisKV
 from gateway.futures.store import Claim, FutureRecord, FutureStore
 from gateway.middleware import IdempotencyKeyMiddleware, RequestHeadersMiddleware
@@ -96,7 +97,7 @@ def _slow_and_count(app, trainer) -> tuple[list, list]:
     forward_backward calls."""
     charges: list[int] = []
     calls: list[int] = []
-    store = app.state.quotas.store
+    store = services_of(app).quotas.store
     charge, fb = store.charge, trainer.forward_backward
 
     async def slow_charge(checks, amount):
@@ -125,11 +126,11 @@ async def _burst(app, key: str, bodies: list[bytes], route: str = "forward_backw
 
 
 async def _train_tokens_used(app, key: str) -> int:
-    who = authenticate_engine(app.state.db_engine, key)
+    who = authenticate_engine(services_of(app).db_engine, key)
     from sqlmodel import Session
 
-    with Session(app.state.db_engine) as db:
-        usage = await app.state.quotas.usage(who, db)
+    with Session(services_of(app).db_engine) as db:
+        usage = await services_of(app).quotas.usage(who, db)
     return usage["user"]["train_tokens_per_minute"]["current"]
 
 

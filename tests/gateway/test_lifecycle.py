@@ -5,6 +5,7 @@ clients collect what they started (and the drain counts what is left to collect)
 
 from __future__ import annotations
 
+from gateway.context import services_of
 from tests.gateway.harness import BASE
 
 
@@ -29,7 +30,7 @@ def test_ready_then_draining(make_gateway):
         },
     ).json()
 
-    gw.app.state.drain.start()
+    services_of(gw.app).drain.start()
     ready = gw.client.get("/api/v1/readyz")
     assert ready.status_code == 503 and ready.json()["status"] == "draining"
     assert gw.client.get("/api/v1/livez").status_code == 200
@@ -42,8 +43,8 @@ def test_ready_then_draining(make_gateway):
     assert new.headers["x-request-id"] == new.json()["request_id"]
     # the future is either still running or finished and not yet collected: `twinkle serve`
     # waits for the first, then briefly for the second
-    status = gw.app.state.drain.status()
+    status = services_of(gw.app).drain.status()
     assert status["pending"] + status["uncollected"] == 1, status
     # work accepted before the drain is still collected
     assert "model_id" in gw.wait(fut, key)
-    assert gw.app.state.drain.status() == {"draining": True, "pending": 0, "uncollected": 0}
+    assert services_of(gw.app).drain.status() == {"draining": True, "pending": 0, "uncollected": 0}

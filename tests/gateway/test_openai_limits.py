@@ -10,6 +10,7 @@ import time
 import openai
 import pytest
 
+from gateway.context import services_of
 from gateway.db import make_engine, upgrade_to_head
 from gateway.errors import RateLimitedError
 from gateway.quotas.concurrency import SamplingLimiter
@@ -120,7 +121,7 @@ def test_overlapping_requests_over_the_limit_get_429(env):
         eng.gate.set()
         t.join(30)
     assert first["r"].status_code == 200, first["r"].text
-    assert _held(env.limited_app.state.quotas, env.uids["alice"]) == 0
+    assert _held(services_of(env.limited_app).quotas, env.uids["alice"]) == 0
     r = client.post(
         "/v1/chat/completions",
         headers=_limited_headers(env),
@@ -144,7 +145,7 @@ def test_asample_holds_its_slot_until_the_future_finishes(env):
         fut = client.post("/api/v1/asample", headers=h, json=body)
         assert fut.status_code == 200, fut.text
         assert eng.entered.acquire(timeout=30)
-        quotas = env.limited_app.state.quotas
+        quotas = services_of(env.limited_app).quotas
         assert _held(quotas, env.uids["alice"]) == 1
         r = client.post("/v1/completions", headers=h, json={"model": BASE, "prompt": "hi"})
         assert r.status_code == 429

@@ -9,6 +9,7 @@ from urllib.parse import parse_qs, urlencode, urlparse
 
 import pytest
 
+from gateway.context import services_of
 from gateway.db import session_scope
 from tests.gateway.tinker_rest import (
     model,
@@ -33,7 +34,7 @@ def test_checkpoint_ttl_expiry_deletes_and_404s(env):
     assert r.status_code == 200 and r.json()["expires_at"]
     info = client.post("/api/v1/weights_info", json={"tinker_path": path})
     assert info.status_code == 200 and info.json()["lora_rank"] == 4
-    files = list((Path(client.app.state.settings.data_dir) / "checkpoints").rglob("short-*"))
+    files = list((Path(services_of(client.app).settings.data_dir) / "checkpoints").rglob("short-*"))
     assert files
     time.sleep(1.2)
     assert client.post("/api/v1/weights_info", json={"tinker_path": path}).status_code == 404
@@ -73,10 +74,12 @@ def test_signed_download_urls(env):
     from gateway.tinker_api.exports import _signature
 
     row_id = int(url.path.split("/")[-2])
-    with session_scope(client.app.state.db_engine) as s:
+    with session_scope(services_of(client.app).db_engine) as s:
         row = s.get(CheckpointRow, row_id)
         past = int(time.time()) - 5
-        sig = _signature(client.app.state.secrets.url_signing, row, "adapter_config.json", past)
+        sig = _signature(
+            services_of(client.app).secrets.url_signing, row, "adapter_config.json", past
+        )
     expired = client.get(f"{url.path}?{urlencode({'expires': past, 'sig': sig})}", headers=anon)
     assert expired.status_code == 410 and "expired" in expired.json()["error"]["message"]
 
@@ -92,7 +95,7 @@ def test_copy_weights_hard_links_and_survives_source_delete(env):
     assert r.status_code == 200, r.text
     copy = r.json()["tinker_path"]
     assert copy.startswith("tinker://") and copy.endswith("/weights/src") and copy != path
-    root = Path(client.app.state.settings.data_dir) / "checkpoints"
+    root = Path(services_of(client.app).settings.data_dir) / "checkpoints"
     src_file, copy_file = sorted(root.rglob("src-*/adapter_model.safetensors"), key=str)[:2]
     assert src_file.stat().st_ino == copy_file.stat().st_ino  # hard link: no bytes duplicated
     run, ckpt = path[len("tinker://") :].split("/", 1)
