@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from gateway.context import RequestContext
-from gateway.openai_api import responses
-from gateway.training import metering
+from gateway.training import metering, text_stream
 
 
 class Admission:
@@ -24,7 +23,7 @@ class Admission:
     async def meter(self, base_model: str, prompt_tokens: int, budget: int) -> None:
         await self._adm.meter(base_model, prompt_tokens, budget)
 
-    async def finish(self, choices: list[responses.Choice] | None) -> None:
+    async def finish(self, choices: list[text_stream.Choice] | None) -> None:
         """``choices`` None: the request failed or the client left."""
         await self._adm.finish(None if choices is None else sum(c.n_tokens for c in choices))
 

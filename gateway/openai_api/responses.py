@@ -1,10 +1,9 @@
 """OpenAI response bodies and stream chunks, built from finished engine samples.
 
-`finish()` turns one sampled sequence (token ids, logprobs, the engine's stop reason) plus the text
-each token adds into a `Choice`: the text is cut at the first stop string (OpenAI semantics: the
-stop string is not returned), tokens after the cut are dropped from the logprobs, and the finish
-reason is "stop" or "length". The builders below render choices as OpenAI's JSON shapes; streaming
-(SSE chunks as tokens are generated) is `streaming`, which ends with the same `finish`.
+`finish()` (`gateway.training.text_stream`) turns one sampled sequence into a `Choice`: text cut
+at the first stop string (OpenAI semantics: the stop string is not returned), finish reason
+"stop" or "length". The builders below render choices as OpenAI's JSON shapes; streaming (SSE
+chunks as tokens are generated) is `streaming`, which ends with the same `finish`.
 """
 
 from __future__ import annotations
@@ -12,36 +11,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 
-
-@dataclass
-class Choice:
-    index: int
-    text: str
-    pieces: list[str]  # the text each kept token adds; "".join(pieces) == text
-    logprobs: list[float]  # one per kept token
-    finish_reason: str  # "stop" | "length"
-    n_tokens: int  # every generated token, for usage (the stop text / EOS token included)
-
-
-def finish(
-    index: int, pieces: list[str], logprobs: list[float], stop_reason: str, stops: list[str]
-) -> Choice:
-    full = "".join(pieces)
-    cuts = [i for s in stops if (i := full.find(s)) >= 0]
-    text = full[: min(cuts)] if cuts else full
-    reason = "stop" if cuts else ("length" if stop_reason == "length" else "stop")
-    kept: list[str] = []
-    kept_lps: list[float] = []
-    off = 0
-    for piece, lp in zip(pieces, logprobs, strict=False):
-        if off >= len(text):  # tokens after the cut (and a trailing EOS, which adds no text)
-            break
-        kept.append(piece[: len(text) - off])
-        kept_lps.append(float(lp))
-        off += len(piece)
-    return Choice(index, text, kept, kept_lps, reason, len(pieces))
+from gateway.training.text_stream import Choice
 
 
 def new_id(prefix: str) -> str:

@@ -44,6 +44,7 @@ from gateway.openai_api.chat_images import (
 )
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from gateway.runs.checkpoints import readable_checkpoint
+from gateway.training import text_stream
 from gateway.training.sampling import sampling_params
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -219,7 +220,7 @@ async def _sample(
     prompt_field: str,
     images: Sequence[ImagePart] = (),
     image_fields: Sequence[str] = (),
-) -> list[responses.Choice]:
+) -> list[text_stream.Choice]:
     inp = _sample_input(target, prompt, n, params, images)
     return await _run(engine, target, inp, stops, first_index, prompt_field, image_fields)
 
@@ -232,7 +233,7 @@ async def _run(
     first_index: int,
     field: str,
     image_fields: Sequence[str] = (),
-) -> list[responses.Choice]:
+) -> list[text_stream.Choice]:
     try:
         out = await engine.sampler(target.base_model, "sample", inp, affinity=target.adapter_dir)
     except UserInputError as exc:
@@ -241,7 +242,7 @@ async def _run(
     for j, seq in enumerate(out.sequences):
         pieces = await engine.sampler(target.base_model, "decode_pieces", list(seq.tokens))
         lps = list(seq.logprobs)
-        choices.append(responses.finish(first_index + j, pieces, lps, seq.stop_reason, stops))
+        choices.append(text_stream.finish(first_index + j, pieces, lps, seq.stop_reason, stops))
     return choices
 
 
@@ -292,8 +293,8 @@ async def chat_completions(
         await adm.meter(target.base_model, n_prompt, max_tokens * req.n)
         rid, created, logprobs = responses.new_id("chatcmpl"), responses.now(), bool(req.logprobs)
         if req.stream:
-            events = await streaming.open_stream(
-                streaming.sample_events(
+            events = await text_stream.open_stream(
+                text_stream.sample_events(
                     engine,
                     target.base_model,
                     _sample_input(target, prompt, req.n, params, parts),
@@ -349,7 +350,7 @@ async def completions(
         await adm.meter(target.base_model, prompt_tokens, budget)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = await streaming.open_stream(
+            events = await text_stream.open_stream(
                 _chain_events(engine, target, inputs, stops, req.n),
                 lambda exc: _engine_error(exc, inputs[0][0]),
             )
@@ -358,7 +359,7 @@ async def completions(
                     rid, req.model, created, events, prompt_tokens, logprobs, usage, adm.finish
                 )
             )
-        choices: list[responses.Choice] = []
+        choices: list[text_stream.Choice] = []
         for k, (field, inp) in enumerate(inputs):
             choices += await _run(engine, target, inp, stops, k * req.n, field)
     await adm.finish(choices)
@@ -406,5 +407,5 @@ def _sse(stream) -> StreamingResponse:
 async def _chain_events(engine, target: Target, inputs, stops: list[str], n: int):
     """The prompts of one /v1/completions request, streamed one after another."""
     for k, (_field, inp) in enumerate(inputs):
-        async for ev in streaming.sample_events(engine, target.base_model, inp, stops, k * n):
+        async for ev in text_stream.sample_events(engine, target.base_model, inp, stops, k * n):
             yield ev

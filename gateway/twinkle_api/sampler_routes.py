@@ -33,8 +33,7 @@ from gateway.context import ContextDep, RequestContext
 from gateway.deps import PrincipalDep
 from gateway.errors import InvalidRequestError, NotImplementedOnServerError
 from gateway.images import check_images
-from gateway.openai_api import streaming
-from gateway.training import metering
+from gateway.training import metering, text_stream
 from gateway.twinkle_api.native_deps import BaseModelDep, NativeSessionDep
 from gateway.twinkle_api.sampling import (
     IGNORE_INDEX,
@@ -224,8 +223,8 @@ async def sample_stream(
             params=params,
             adapter_dir=adapter_dir,
         )
-        events = await streaming.open_stream(
-            streaming.sample_events(ctx.engine, name, inp, params.stop_strings, 0),
+        events = await text_stream.open_stream(
+            text_stream.sample_events(ctx.engine, name, inp, params.stop_strings, 0),
             lambda exc: InvalidRequestError(f"inputs[0]: {exc}"),
         )
 
@@ -233,7 +232,7 @@ async def sample_stream(
         sampled = 0
         try:
             async for ev in events:
-                if isinstance(ev, streaming.TextEvent):
+                if isinstance(ev, text_stream.TextEvent):
                     sampled += len(ev.pieces)
                     yield (json.dumps({"delta": ev.text, "finish_reason": None}) + "\n").encode()
                 else:  # the remaining text came as a TextEvent just before

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from engine.protocol import SampleInput, SamplingParams
-from gateway.openai_api import responses
+from gateway.training import text_stream
 from tests.gateway.harness import BASE
 from tests.gateway.openai_helpers import MESSAGES, bobs_checkpoint_path, direct, oai, openai_env
 
@@ -177,12 +177,12 @@ def test_completion_several_prompts_and_token_prompts(env):
 
 
 def test_finish_cuts_at_the_first_stop_and_drops_later_tokens():
-    c = responses.finish(0, ["He", "llo", " wor", "ld", ""], [-1, -2, -3, -4, -5], "stop", ["o w"])
+    c = text_stream.finish(0, ["He", "llo", " wor", "ld", ""], [-1, -2, -3, -4, -5], "stop", ["o w"])
     assert c.text == "Hell" and c.pieces == ["He", "ll"] and c.logprobs == [-1, -2]
     assert c.finish_reason == "stop" and c.n_tokens == 5
-    c = responses.finish(0, ["a", "", "é", "b"], [-1, -2, -3, -4], "length", [])
+    c = text_stream.finish(0, ["a", "", "é", "b"], [-1, -2, -3, -4], "length", [])
     assert c.text == "aéb" and c.pieces == ["a", "", "é", "b"] and c.finish_reason == "length"
-    c = responses.finish(0, ["x", ""], [-1, -2], "stop", [])  # trailing EOS adds no text
+    c = text_stream.finish(0, ["x", ""], [-1, -2], "stop", [])  # trailing EOS adds no text
     assert c.pieces == ["x"] and c.n_tokens == 2
 
 

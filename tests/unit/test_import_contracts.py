@@ -1,4 +1,5 @@
-"""The architecture as import rules: `gateway -> engine.{protocol,errors,config} -> backends`.
+"""The architecture as import rules: `gateway -> engine.{protocol,errors,config} -> backends`,
+and inside the gateway: API dialects apart from each other, above `gateway.training`.
 
 * At run time: ``import gateway.main`` (and ``gateway.cli``) in a fresh interpreter loads no
   torch stack and no engine module beyond protocol / errors / config.
@@ -77,7 +78,7 @@ def test_import_contracts_are_kept():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     text = " ".join(out.stdout.split())  # contract names wrap in the report
     names = [c["name"] for c in _contracts().values()]
-    assert len(names) == 6
+    assert len(names) == 8
     for name in names:
         assert f"{name} KEPT" in text or f"{name} KEPT (" in text, name
     assert f"Contracts: {len(names)} kept, 0 broken." in text
@@ -92,6 +93,17 @@ def test_import_contracts_are_kept():
         ("engine/backends/_leak.py", "from engine import trainer\n", "engine-layers"),
         ("engine/protocol_leak.py", "import gateway.errors\n", "gateway-above-engine"),
         ("admin_ui/_leak.py", "from gateway.db import make_engine\n", "admin-ui-rest-only"),
+        (
+            "gateway/twinkle_api/_leak.py",
+            "from gateway.tinker_api import runs\n",
+            "dialects-independent",
+        ),
+        ("gateway/openai_api/_leak.py", "import gateway.admin_api.admin\n", "dialects-independent"),
+        (
+            "gateway/training/_leak.py",
+            "from gateway.openai_api import router\n",
+            "training-below-dialects",
+        ),
     ],
 )
 def test_a_violating_module_breaks_its_contract(tmp_path, module, source, contract):
