@@ -177,7 +177,9 @@ def test_completion_several_prompts_and_token_prompts(env):
 
 
 def test_finish_cuts_at_the_first_stop_and_drops_later_tokens():
-    c = text_stream.finish(0, ["He", "llo", " wor", "ld", ""], [-1, -2, -3, -4, -5], "stop", ["o w"])
+    c = text_stream.finish(
+        0, ["He", "llo", " wor", "ld", ""], [-1, -2, -3, -4, -5], "stop", ["o w"]
+    )
     assert c.text == "Hell" and c.pieces == ["He", "ll"] and c.logprobs == [-1, -2]
     assert c.finish_reason == "stop" and c.n_tokens == 5
     c = text_stream.finish(0, ["a", "", "é", "b"], [-1, -2, -3, -4], "length", [])
