@@ -172,7 +172,7 @@ class Trainer:
     def _probe_shape(self) -> dict:
         """Probe the cost model with work shaped like this replica's real jobs: up to 4 adapters,
         each one slice of 128-token rows (at most 512 tokens, so start-up stays under ~10 s on a
-        CPU for a 25 M model). The old fixed 2 x 2x64 probe picked fused on the tiny model although
+        CPU for a 25 M model). A smaller 2 x 2x64 probe picks fused on the tiny model although
         real 8x128 batches run 1.8x faster sequentially (benchmarks/README.md)."""
         seq_len = 128
         max_pos = self.backend.max_positions

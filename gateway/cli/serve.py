@@ -74,7 +74,7 @@ DRAIN_POLL_S = 0.5
 DRAIN_REPORT_S = 0.1
 #: after the last in-flight future finished, how long the driver keeps the gateway up at most so
 #: clients collect finished results they have not retrieved yet (a long poll answers within
-#: milliseconds); with none left to collect it stops at once (it used to wait all 2 s)
+#: milliseconds); with none left to collect it stops at once instead of waiting all 2 s
 DRAIN_COLLECT_S = 2.0
 #: Ray gives the head node (only) 1 unit of node:__internal_head__; a sliver of it keeps the
 #: gateway where the head is (Ray Train pins its state actor the same way)
