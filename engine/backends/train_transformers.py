@@ -35,8 +35,8 @@ from engine.backends.lora import (
 )
 from engine.backends.train_batching import Datum, micro_batches, pad_rows, validate_request
 from engine.backends.train_common import (
-    AdapterState,
-    Job,
+    AdapterPass,
+    TrainableAdapter,
     adam_step,
     check_adam,
     check_reload,
@@ -109,7 +109,7 @@ class TransformersTrainingBackend(TrainingBackend):
         weight = emb.weight
         assert isinstance(weight, torch.Tensor)  # the embedding matrix (a Parameter)
         self.device = weight.device
-        self._adapters: dict[str, AdapterState] = {}
+        self._adapters: dict[str, TrainableAdapter] = {}
 
     # ------------------------------------------------------------------------------- adapters
 
@@ -122,16 +122,16 @@ class TransformersTrainingBackend(TrainingBackend):
             has_vision=self.vision is not None,
         )
 
-    def _get(self, adapter_id: str) -> AdapterState:
+    def _get(self, adapter_id: str) -> TrainableAdapter:
         try:
             return self._adapters[adapter_id]
         except KeyError:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} is not loaded") from None
 
-    def _create(self, adapter_id: str, spec: LoraSpec) -> AdapterState:
+    def _create(self, adapter_id: str, spec: LoraSpec) -> TrainableAdapter:
         add_adapter(self.model, adapter_id, spec)
         params = adapter_parameters(self.model, adapter_id)
-        st = AdapterState(spec=spec, params=params, optimizer=new_optimizer(params))
+        st = TrainableAdapter(spec=spec, params=params, optimizer=new_optimizer(params))
         self._adapters[adapter_id] = st
         return st
 
@@ -186,10 +186,10 @@ class TransformersTrainingBackend(TrainingBackend):
 
     # ------------------------------------------------------------------------------- forward
 
-    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> Job:
+    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> AdapterPass:
         self._get(adapter_id)
         req = validate_request(inp, self.vocab_size, self.max_positions, self.vision)
-        return Job(slot, adapter_id, req, outputs=[{} for _ in req.data])
+        return AdapterPass(slot, adapter_id, req, outputs=[{} for _ in req.data])
 
     def validate_input(self, inp: ForwardBackwardInput) -> None:
         """Raise the UserInputError the request would fail with, without computing anything
@@ -210,7 +210,7 @@ class TransformersTrainingBackend(TrainingBackend):
         accumulated gradients as they were. Duplicate adapter ids raise ValueError."""
         return run_fused(items, self._prepare, self._execute)
 
-    def _execute(self, jobs: list[Job], *, grad: bool) -> None:
+    def _execute(self, jobs: list[AdapterPass], *, grad: bool) -> None:
         """Run ``jobs`` (distinct adapters) as padded micro-batches; with ``grad``, add each loss's
         gradient to its adapter's accumulated gradient (all or nothing)."""
         units = [(j, u) for j, job in enumerate(jobs) for u in job.req.units]
@@ -265,7 +265,7 @@ class TransformersTrainingBackend(TrainingBackend):
         pooled = hidden[torch.arange(len(rows), device=self.device), last].float()
         return torch.nn.functional.normalize(pooled, p=2, dim=-1)
 
-    def _embedding_batch(self, job: Job, idx: list[int], grad: bool) -> None:
+    def _embedding_batch(self, job: AdapterPass, idx: list[int], grad: bool) -> None:
         segments = [] if job.req.disable_lora else [(job.adapter_id, 0, len(idx))]
         with lora_routing(self.model, segments):
             emb = self._embeddings([job.req.data[i] for i in idx])
@@ -273,7 +273,7 @@ class TransformersTrainingBackend(TrainingBackend):
         if grad and loss.requires_grad:
             loss.backward()
 
-    def _micro_batch(self, jobs: list[Job], units: list[tuple[int, list[int]]], grad: bool):
+    def _micro_batch(self, jobs: list[AdapterPass], units: list[tuple[int, list[int]]], grad: bool):
         if len(units) == 1 and jobs[units[0][0]].req.loss.embedding:
             self._embedding_batch(jobs[units[0][0]], units[0][1], grad)
             return

@@ -62,7 +62,7 @@ from typing import Any
 
 from engine.backends.base import TrainingBackend
 from engine.errors import AdapterNotFoundError, ConfigError, UserInputError
-from engine.local.adapter_state import TRAIN_CONFIG_FILE, AdapterState, MetricAcc
+from engine.local.adapter_state import TRAIN_CONFIG_FILE, AdapterTraining, MetricAcc
 from engine.local.metrics import make_metric
 from engine.local.model_checkpoints import DEFAULT_ADAPTER, CheckpointMethods
 from engine.local.passes import run_pass
@@ -125,7 +125,7 @@ class MultiLoraTransformersModel(CheckpointMethods):
                 str(model_dir), max_lora_rank=max_lora_rank, base_model_name=self.model_id
             )
         self.backend = backend
-        self._adapters: dict[str, AdapterState] = {}
+        self._adapters: dict[str, AdapterTraining] = {}
 
     # ------------------------------------------------------------------------------- adapters
 
@@ -133,7 +133,7 @@ class MultiLoraTransformersModel(CheckpointMethods):
     def adapter_names(self) -> list[str]:
         return list(self._adapters)
 
-    def _st(self, adapter_name: str) -> AdapterState:
+    def _st(self, adapter_name: str) -> AdapterTraining:
         try:
             return self._adapters[adapter_name]
         except KeyError:
@@ -158,7 +158,7 @@ class MultiLoraTransformersModel(CheckpointMethods):
             return
         spec = lora_spec_from_config(config)
         self.backend.create_adapter(adapter_name, spec)
-        self._adapters[adapter_name] = AdapterState(spec=spec, gas=gas)
+        self._adapters[adapter_name] = AdapterTraining(spec=spec, gas=gas)
 
     def remove_adapter(self, adapter_name: str = DEFAULT_ADAPTER) -> None:
         """Drop the adapter, its optimizer state and its configuration (no-op if absent)."""

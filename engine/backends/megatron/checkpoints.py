@@ -26,7 +26,7 @@ from engine.backends.peft_files import (
     write_adapter_files,
 )
 from engine.backends.train_common import (
-    AdapterState,
+    TrainableAdapter,
     check_reload,
     check_spec,
     finish_load,
@@ -51,12 +51,12 @@ class WorkerCheckpoints:
     max_lora_rank: int
     base_model_name: str
     _ps: Any
-    _adapters: dict[str, AdapterState]
+    _adapters: dict[str, TrainableAdapter]
 
     if TYPE_CHECKING:  # MegatronWorker's adapter methods
 
-        def _get(self, adapter_id: str) -> AdapterState: ...
-        def _create(self, adapter_id: str, spec: LoraSpec) -> AdapterState: ...
+        def _get(self, adapter_id: str) -> TrainableAdapter: ...
+        def _create(self, adapter_id: str, spec: LoraSpec) -> TrainableAdapter: ...
         def delete_adapter(self, adapter_id: str) -> None: ...
 
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -37,8 +37,8 @@ from engine.backends.megatron.model import causal_mask, load_base
 from engine.backends.megatron.multi_lora import MegatronMultiLora, Segment
 from engine.backends.train_batching import micro_batches, pad_rows, validate_request
 from engine.backends.train_common import (
-    AdapterState,
-    Job,
+    AdapterPass,
+    TrainableAdapter,
     adam_step,
     check_adam,
     check_spec,
@@ -121,7 +121,7 @@ class MegatronWorker(WorkerCheckpoints):
         self.base_model_name = base_model_name or str(model_dir)
         self.pad_id = _pad_id(model_dir)
         self.max_batch_tokens = int(micro_batch_tokens)
-        self._adapters: dict[str, AdapterState] = {}
+        self._adapters: dict[str, TrainableAdapter] = {}
         # Keeps a stage's output in the autograd graph when no adapter parameter of this stage
         # is (an lm_head-only adapter, disable_lora rows): megatron's backward needs a graph.
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
@@ -131,16 +131,16 @@ class MegatronWorker(WorkerCheckpoints):
 
     # ------------------------------------------------------------------------------- adapters
 
-    def _get(self, adapter_id: str) -> AdapterState:
+    def _get(self, adapter_id: str) -> TrainableAdapter:
         try:
             return self._adapters[adapter_id]
         except KeyError:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} is not loaded") from None
 
-    def _create(self, adapter_id: str, spec: LoraSpec) -> AdapterState:
+    def _create(self, adapter_id: str, spec: LoraSpec) -> TrainableAdapter:
         self.lora.add_adapter(adapter_id, spec, device=self.device)
         params = self.lora.parameters(adapter_id)
-        st = AdapterState(spec=spec, params=params, optimizer=new_optimizer(params))
+        st = TrainableAdapter(spec=spec, params=params, optimizer=new_optimizer(params))
         self._adapters[adapter_id] = st
         return st
 
@@ -189,11 +189,11 @@ class MegatronWorker(WorkerCheckpoints):
                 "Megatron backend; serve this model with backend 'transformers'"
             )
 
-    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> Job:
+    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> AdapterPass:
         self._get(adapter_id)
         self.validate_input(inp)
         req = validate_request(inp, self.vocab_size, self.max_positions)
-        return Job(slot, adapter_id, req, outputs=[{} for _ in req.data])
+        return AdapterPass(slot, adapter_id, req, outputs=[{} for _ in req.data])
 
     def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
         job = self._prepare(0, adapter_id, inp)
@@ -205,7 +205,7 @@ class MegatronWorker(WorkerCheckpoints):
     ) -> list[ForwardBackwardOutput | EngineError]:
         return run_fused(items, self._prepare, self._execute)
 
-    def _execute(self, jobs: list[Job], *, grad: bool) -> None:
+    def _execute(self, jobs: list[AdapterPass], *, grad: bool) -> None:
         """Run ``jobs`` (distinct adapters) as micro-batches through megatron's schedule; with
         ``grad``, add each loss's gradient to its adapter's (all or nothing)."""
         units = [(j, u) for j, job in enumerate(jobs) for u in job.req.units]
@@ -243,7 +243,7 @@ class MegatronWorker(WorkerCheckpoints):
             for j in jobs:
                 self._get(j.adapter_id).has_grad = True
 
-    def _micro_batch(self, jobs: list[Job], rows: list[Row], *, lora: bool) -> _MicroBatch:
+    def _micro_batch(self, jobs: list[AdapterPass], rows: list[Row], *, lora: bool) -> _MicroBatch:
         datums = [jobs[j].req.data[i] for j, i in rows]
         ids, _, targets = pad_rows(datums, self.pad_id, self.device)
         segments: list[Segment] = []
@@ -255,7 +255,7 @@ class MegatronWorker(WorkerCheckpoints):
             start += n
         return _MicroBatch(rows, ids, targets, segments)
 
-    def _reference_logprobs(self, jobs: list[Job], batches: list[list[Row]]):
+    def _reference_logprobs(self, jobs: list[AdapterPass], batches: list[list[Row]]):
         """The base model's logprobs of DPO rows without given ``ref_logprobs`` (no gradient;
         one forward-only pass of their own), by row; filled on the last stage only."""
         need = [
@@ -285,7 +285,9 @@ class MegatronWorker(WorkerCheckpoints):
             )
         return refs
 
-    def _losses(self, jobs: list[Job], mb: _MicroBatch, lp: torch.Tensor, refs) -> torch.Tensor:
+    def _losses(
+        self, jobs: list[AdapterPass], mb: _MicroBatch, lp: torch.Tensor, refs
+    ) -> torch.Tensor:
         """Sum of the losses of the jobs' rows in ``mb`` (last stage), outputs written."""
         total = lp.new_zeros(())
         start = 0
@@ -379,7 +381,7 @@ class MegatronWorker(WorkerCheckpoints):
             out.append(_MicroBatch(mb.rows, ids, tgt, mb.segments))  # extra rows: no segment
         return out
 
-    def _broadcast_results(self, jobs: list[Job]) -> None:
+    def _broadcast_results(self, jobs: list[AdapterPass]) -> None:
         """The last stage computed the outputs and metrics: every rank returns them."""
         if self.pp == 1:
             return
@@ -391,7 +393,7 @@ class MegatronWorker(WorkerCheckpoints):
 
     # ------------------------------------------------------------------------------- optimizer
 
-    def _grad_norm(self, st: AdapterState, grads: Sequence[torch.Tensor | None]) -> float:
+    def _grad_norm(self, st: TrainableAdapter, grads: Sequence[torch.Tensor | None]) -> float:
         """Global L2 norm of the adapter's gradient over every rank: a sharded tensor's square
         sum is added by each TP rank (its own slice), a replicated one only by TP rank 0."""
         local = 0.0
