@@ -1,12 +1,14 @@
 """Start-up measurement: is a fused multi-adapter pass faster than adapters one by one here?
 
-Owns `measure_execution_costs`, which `execution: auto` (engine/config.py) can use to choose
+Owns `measure_execution_costs`, which `execution: auto` (engine/config.py) uses to choose
 between running several adapters' ready work as one fused batch (`forward_backward_many`) or one
 adapter after another (`forward_backward` each). The answer depends on the device: on a small CPU
 the fused batch is usually no faster (the GEMMs are already compute-bound, and the per-segment LoRA
 slicing adds work), on a GPU one large batch can fill the device where small ones cannot
 (benchmarks/README.md has the numbers). The measurement uses temporary adapters on synthetic data
-and leaves the backend as it found it.
+and leaves the backend as it found it. `probe_shape` sizes the probe like a replica's real work,
+and `stored_or_measured` reuses an answer stored for the same kind of host
+(engine/scheduling/probe_cache.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from engine.backends.base import TrainingBackend
+from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.protocol import DatumInput, ForwardBackwardInput, LoraSpec
+from engine.scheduling.probe_cache import ProbeCache
 
 #: prefix of the temporary adapters' ids (never a client's: clients' ids are run ids)
 ADAPTER_PREFIX = "__costmodel-"
@@ -123,3 +128,37 @@ def measure_execution_costs(
         "fused_speedup": speedup,
         "choice": "fused" if speedup >= MIN_SPEEDUP else "sequential",
     }
+
+
+def probe_shape(model: ModelConfig, backend: TrainingBackend) -> dict:
+    """Probe the cost model with work shaped like this replica's real jobs: up to 4 adapters,
+    each one slice of 128-token rows (at most 512 tokens, so start-up stays under ~10 s on a
+    CPU for a 25 M model). A smaller 2 x 2x64 probe picks fused on the tiny model although
+    real 8x128 batches run 1.8x faster sequentially (benchmarks/README.md)."""
+    seq_len = 128
+    max_pos = backend.max_positions
+    if max_pos is not None and max_pos > 1:
+        seq_len = min(seq_len, max_pos)
+    tokens = min(model.slice_tokens, 512)
+    return {
+        "n_adapters": max(1, min(4, model.max_loaded_adapters)),
+        "batch": max(1, tokens // seq_len),
+        "seq_len": seq_len,
+        "repeats": 3,  # min of 3: one disturbed timing on a shared machine must not decide
+    }
+
+
+def stored_or_measured(backend: TrainingBackend, shape: dict, data_root: str | Path) -> dict:
+    """The probe's costs for ``shape``: stored ones when this kind of host measured this model
+    lately (engine/scheduling/probe_cache.py; ~15 s of a 25 M model's start-up on a CPU), else
+    measured now and stored. A backend without a device fingerprint is measured every time."""
+    fingerprint = backend.device_fingerprint()
+    if fingerprint is None:
+        return measure_execution_costs(backend, **shape)
+    cache = ProbeCache(data_root)
+    key = cache.key(fingerprint, shape)
+    costs = cache.get(key)
+    if costs is None:
+        costs = measure_execution_costs(backend, **shape)
+        cache.put(key, costs)
+    return costs

@@ -219,6 +219,18 @@ class FairScheduler:
                     ahead += 1
         return None
 
+    def describe(self, model_id: str) -> str | None:
+        """What this model's compute is doing: running (and which job), queued (behind how many
+        jobs), or None when it has nothing here."""
+        running = self.running
+        if running is not None and running.model_id == model_id:
+            return f"running ({running.label})"
+        pos = self.position(model_id)
+        if pos is None:
+            return None
+        ahead, total = pos
+        return f"queued for compute: {ahead} of {total} queued jobs run first"
+
     def backlog(self) -> tuple[int, float | None]:
         """(jobs queued, ``enqueued`` time of the oldest queue head or None). Safe to call from
         another thread (the metrics scrape): the views are copied in one C call each."""
