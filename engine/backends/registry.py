@@ -103,7 +103,7 @@ def _vllm(model: ModelConfig, data_dir: str) -> SamplingBackend:
 
 
 def _mock_sampling(model: ModelConfig, data_dir: str) -> SamplingBackend:
-    from engine.backends.mock import MockSamplingBackend
+    from engine.backends.mock_sampling import MockSamplingBackend
 
     return MockSamplingBackend(max_positions=model.max_context_length)
 
