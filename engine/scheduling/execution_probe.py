@@ -1,6 +1,6 @@
 """Start-up measurement: is a fused multi-adapter pass faster than adapters one by one here?
 
-Owns `measure_execution_costs`, which `execution: auto` (engine/config.py) uses to choose
+Owns `measure_execution_costs`, which `execution: auto` (engine/config) uses to choose
 between running several adapters' ready work as one fused batch (`forward_backward_many`) or one
 adapter after another (`forward_backward` each). The answer depends on the device: on a small CPU
 the fused batch is usually no faster (the GEMMs are already compute-bound, and the per-segment LoRA
