@@ -35,7 +35,7 @@ import numpy as np
 
 from engine.backends import checkpoint_io as ckpt
 from engine.backends.adapter_cache import WEIGHTS_FILE
-from engine.backends.age_seal import age_sealer, plain
+from engine.backends.age_seal import export_sealer
 from engine.backends.base import (
     GradOp,
     TrainingBackend,
@@ -325,7 +325,7 @@ class MockTrainingBackend(TrainingBackend):
         from safetensors.numpy import save, save_file
 
         st = self._get(adapter_id)
-        seal = age_sealer(age_recipients) or plain
+        seal = export_sealer(age_recipients)
 
         def fill(tmp: Path) -> None:
             config = {

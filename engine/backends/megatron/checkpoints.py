@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from engine.backends import checkpoint_io as ckpt
-from engine.backends.age_seal import age_sealer, plain
+from engine.backends.adapter_table import AdapterTable
+from engine.backends.age_seal import export_sealer
 from engine.backends.lora import target_module_names
 from engine.backends.peft_files import (
     read_adapter_config,
@@ -26,9 +27,6 @@ from engine.backends.peft_files import (
     write_adapter_files,
 )
 from engine.backends.train_common import (
-    TrainableAdapter,
-    check_reload,
-    check_spec,
     finish_load,
     new_optimizer,
 )
@@ -39,7 +37,7 @@ if TYPE_CHECKING:
     from engine.backends.megatron.multi_lora import MegatronMultiLora
 
 
-class WorkerCheckpoints:
+class WorkerCheckpoints(AdapterTable):
     """Mixed into `MegatronWorker`, whose attributes and adapter methods it uses."""
 
     lora: MegatronMultiLora
@@ -51,13 +49,6 @@ class WorkerCheckpoints:
     max_lora_rank: int
     base_model_name: str
     _ps: Any
-    _adapters: dict[str, TrainableAdapter]
-
-    if TYPE_CHECKING:  # MegatronWorker's adapter methods
-
-        def _get(self, adapter_id: str) -> TrainableAdapter: ...
-        def _create(self, adapter_id: str, spec: LoraSpec) -> TrainableAdapter: ...
-        def delete_adapter(self, adapter_id: str) -> None: ...
 
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full PEFT tensors from every rank's shards (collective); complete on rank 0."""
@@ -99,7 +90,7 @@ class WorkerCheckpoints:
         age_recipients: Sequence[str] = (),
     ) -> int:
         st = self._get(adapter_id)
-        seal = age_sealer(age_recipients) or plain  # checked on every rank: the same error
+        seal = export_sealer(age_recipients)  # checked on every rank: the same error
         target = Path(directory)
         if target.exists():  # checked on every rank before any collective (one host's disk)
             raise CheckpointError(f"checkpoint directory {target} already exists")
@@ -174,13 +165,7 @@ class WorkerCheckpoints:
             ckpt.read_optimizer(path, files, torch.device("cpu")) if include_optimizer else None
         )
         tensors = read_adapter_tensors(path, self.lora.full_shapes(spec))
-        created = adapter_id not in self._adapters
-        if created:
-            check_spec(spec, self.max_lora_rank, self.base_model_name, CheckpointError)
-            st = self._create(adapter_id, spec)
-        else:
-            st = self._adapters[adapter_id]
-            check_reload(st, spec, adapter_id, path)
+        st, created = self._for_load(adapter_id, spec, path)
         try:
             optimizer = new_optimizer(st.params)
             if saved_opt is not None:

@@ -27,9 +27,9 @@ from itertools import groupby
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.backends import custom_loss, losses
-from engine.backends.base import GradOp, check_grad_op
 from engine.backends.megatron import compat
 from engine.backends.megatron.arch import read_arch
 from engine.backends.megatron.checkpoints import WorkerCheckpoints
@@ -39,21 +39,13 @@ from engine.backends.train_batching import micro_batches, pad_rows, validate_req
 from engine.backends.train_common import (
     AdapterPass,
     TrainableAdapter,
-    adam_step,
-    check_adam,
     check_spec,
     device_fingerprint,
-    new_optimizer,
-    require_grad,
-    run_fused,
 )
-from engine.errors import AdapterNotFoundError, EngineError, UserInputError
+from engine.errors import UserInputError
 from engine.protocol import (
-    AdamParams,
     ForwardBackwardInput,
-    ForwardBackwardOutput,
     LoraSpec,
-    OptimStepOutput,
 )
 
 Row = tuple[int, int]  # (job index, datum index)
@@ -131,46 +123,15 @@ class MegatronWorker(WorkerCheckpoints):
 
     # ------------------------------------------------------------------------------- adapters
 
-    def _get(self, adapter_id: str) -> TrainableAdapter:
-        try:
-            return self._adapters[adapter_id]
-        except KeyError:
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} is not loaded") from None
-
-    def _create(self, adapter_id: str, spec: LoraSpec) -> TrainableAdapter:
+    def _attach(self, adapter_id: str, spec: LoraSpec) -> dict[str, nn.Parameter]:
         self.lora.add_adapter(adapter_id, spec, device=self.device)
-        params = self.lora.parameters(adapter_id)
-        st = TrainableAdapter(spec=spec, params=params, optimizer=new_optimizer(params))
-        self._adapters[adapter_id] = st
-        return st
+        return self.lora.parameters(adapter_id)
 
-    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
-        if not isinstance(adapter_id, str) or not adapter_id:
-            raise UserInputError("adapter_id: must be a non-empty string")
-        if adapter_id in self._adapters:
-            raise UserInputError(
-                f"adapter_id {adapter_id!r}: an adapter with this id exists already"
-            )
-        check_spec(spec, self.max_lora_rank, self.base_model_name, UserInputError)
-        self._create(adapter_id, spec)
+    def _detach(self, adapter_id: str) -> None:
+        self.lora.remove_adapter(adapter_id)
 
-    def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self._adapters
-
-    def delete_adapter(self, adapter_id: str) -> None:
-        if self._adapters.pop(adapter_id, None) is not None:
-            self.lora.remove_adapter(adapter_id)
-
-    def adapter_spec(self, adapter_id: str) -> LoraSpec:
-        return self._get(adapter_id).spec
-
-    def has_pending_grad(self, adapter_id: str) -> bool:
-        st = self._adapters.get(adapter_id)
-        return bool(st is not None and st.has_grad)
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":  # CUDA launches are asynchronous; CPU ops are not
-            torch.cuda.synchronize(self.device)
+    def _check_spec(self, spec: LoraSpec, error: type[Exception]) -> None:
+        check_spec(spec, self.max_lora_rank, self.base_model_name, error)
 
     def device_fingerprint(self) -> dict:
         """This rank's device and numerics; the split (tp x pp) and the micro-batch size change
@@ -194,16 +155,6 @@ class MegatronWorker(WorkerCheckpoints):
         self.validate_input(inp)
         req = validate_request(inp, self.vocab_size, self.max_positions)
         return AdapterPass(slot, adapter_id, req, outputs=[{} for _ in req.data])
-
-    def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
-        job = self._prepare(0, adapter_id, inp)
-        self._execute([job], grad=not job.req.forward_only)
-        return job.result()
-
-    def forward_backward_many(
-        self, items: Sequence[tuple[str, ForwardBackwardInput]]
-    ) -> list[ForwardBackwardOutput | EngineError]:
-        return run_fused(items, self._prepare, self._execute)
 
     def _execute(self, jobs: list[AdapterPass], *, grad: bool) -> None:
         """Run ``jobs`` (distinct adapters) as micro-batches through megatron's schedule; with
@@ -406,19 +357,3 @@ class MegatronWorker(WorkerCheckpoints):
             torch.distributed.all_reduce(t, group=self._ps.get_model_parallel_group())
             local = float(t.item())
         return math.sqrt(local)
-
-    def adapter_grad(self, adapter_id: str, op: GradOp) -> float | None:
-        check_grad_op(op)
-        st = self._get(adapter_id)
-        if op == "norm":
-            return self._grad_norm(st, [p.grad for p in st.params.values()])
-        for p in st.params.values():
-            p.grad = None
-        st.has_grad = False
-        return None
-
-    def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
-        st = self._get(adapter_id)
-        check_adam(params)
-        grads = require_grad(st)
-        return adam_step(st, grads, self._grad_norm(st, grads), params)
