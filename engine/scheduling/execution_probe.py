@@ -85,6 +85,29 @@ def measure_execution_costs(
     tag = uuid.uuid4().hex[:8]
     ids = [f"{ADAPTER_PREFIX}{tag}-{i}" for i in range(n_adapters)]
     items = [(aid, _synthetic_request(rng, vocab, batch, seq_len)) for aid in ids]
+    created: list[str] = []
+    try:
+        for k, aid in enumerate(ids):
+            backend.create_adapter(aid, LoraSpec(rank=_rank(backend), alpha=16.0, seed=k))
+            created.append(aid)
+        fused_s, sequential_s = _time_both(backend, items, repeats)
+    finally:
+        # Deleting the adapters drops their parameters, accumulated gradients and optimizers.
+        for aid in created:
+            backend.delete_adapter(aid)
+    speedup = sequential_s / fused_s if fused_s > 0 else float("inf")
+    return {
+        "fused_s": fused_s,
+        "sequential_s": sequential_s,
+        "fused_speedup": speedup,
+        "choice": "fused" if speedup >= MIN_SPEEDUP else "sequential",
+    }
+
+
+def _time_both(
+    backend: TrainingBackend, items: list[tuple[str, ForwardBackwardInput]], repeats: int
+) -> tuple[float, float]:
+    """(fused, sequential): the best of ``repeats`` timings of each, after one warm-up of each."""
     sync = backend.synchronize  # CUDA launches are asynchronous: wait before reading the clock
 
     def fused() -> None:
@@ -101,33 +124,16 @@ def measure_execution_costs(
         sync()
         return time.perf_counter() - t0
 
-    created: list[str] = []
-    try:
-        for k, aid in enumerate(ids):
-            backend.create_adapter(aid, LoraSpec(rank=_rank(backend), alpha=16.0, seed=k))
-            created.append(aid)
-        fused()  # warm-up: first-call allocations, lazy init, kernel selection
-        sequential()
-        fused_times: list[float] = []
-        seq_times: list[float] = []
-        for r in range(repeats):
-            # Alternate the order so a slow drift of the machine does not favour one mode.
-            order = (fused, sequential) if r % 2 == 0 else (sequential, fused)
-            for fn in order:
-                (fused_times if fn is fused else seq_times).append(timed(fn))
-    finally:
-        # Deleting the adapters drops their parameters, accumulated gradients and optimizers.
-        for aid in created:
-            backend.delete_adapter(aid)
-    fused_s = min(fused_times)
-    sequential_s = min(seq_times)
-    speedup = sequential_s / fused_s if fused_s > 0 else float("inf")
-    return {
-        "fused_s": fused_s,
-        "sequential_s": sequential_s,
-        "fused_speedup": speedup,
-        "choice": "fused" if speedup >= MIN_SPEEDUP else "sequential",
-    }
+    fused()  # warm-up: first-call allocations, lazy init, kernel selection
+    sequential()
+    fused_times: list[float] = []
+    seq_times: list[float] = []
+    for r in range(repeats):
+        # Alternate the order so a slow drift of the machine does not favour one mode.
+        order = (fused, sequential) if r % 2 == 0 else (sequential, fused)
+        for fn in order:
+            (fused_times if fn is fused else seq_times).append(timed(fn))
+    return min(fused_times), min(seq_times)
 
 
 def probe_shape(model: ModelConfig, backend: TrainingBackend) -> dict:
