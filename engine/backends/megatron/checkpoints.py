@@ -26,10 +26,7 @@ from engine.backends.peft_files import (
     read_adapter_tensors,
     write_adapter_files,
 )
-from engine.backends.train_common import (
-    finish_load,
-    new_optimizer,
-)
+from engine.backends.train_common import TrainableAdapter, finish_load, new_optimizer
 from engine.errors import CheckpointError, EngineError
 from engine.protocol import LoraSpec
 
@@ -96,31 +93,7 @@ class WorkerCheckpoints(AdapterTable):
             raise CheckpointError(f"checkpoint directory {target} already exists")
         names = self.lora.full_names(st.spec)
         weights = self._full(dict(st.params))
-        opt_state = None
-        if include_optimizer:
-            local = ckpt.optimizer_state_by_name(list(st.params), st.optimizer)
-            moments = {
-                f"{key}\0{name}": value
-                for name, state in local["state"].items()
-                for key, value in state.items()
-                if key in ("exp_avg", "exp_avg_sq")
-            }
-            full = self._full_moments(moments)
-            steps = {n: s["step"] for n, s in local["state"].items()}
-            opt_state = {
-                "format": local["format"],
-                "state": {
-                    n: {"step": steps.get(n, torch.tensor(float(st.step)))}
-                    | {
-                        k: full[f"{k}\0{n}"]
-                        for k in ("exp_avg", "exp_avg_sq")
-                        if f"{k}\0{n}" in full
-                    }
-                    for n in names
-                    if f"exp_avg\0{n}" in full
-                },
-                "param_groups": [{**g, "params": list(names)} for g in local["param_groups"]],
-            }
+        opt_state = self._full_optimizer_state(st, names) if include_optimizer else None
         targets = target_module_names(st.spec)
 
         def write() -> int:
@@ -142,6 +115,29 @@ class WorkerCheckpoints(AdapterTable):
             return ckpt.write_checkpoint_dir(target, fill)
 
         return int(self._on_rank0(write))  # type: ignore[arg-type]
+
+    def _full_optimizer_state(self, st: TrainableAdapter, names: list[str]) -> dict:
+        """The adapter's AdamW state by full PEFT name (collective: moments gathered like their
+        parameters); a parameter without a step of its own gets the adapter's step count."""
+        local = ckpt.optimizer_state_by_name(list(st.params), st.optimizer)
+        moments = {
+            f"{key}\0{name}": value
+            for name, state in local["state"].items()
+            for key, value in state.items()
+            if key in ("exp_avg", "exp_avg_sq")
+        }
+        full = self._full_moments(moments)
+        steps = {n: s["step"] for n, s in local["state"].items()}
+        return {
+            "format": local["format"],
+            "state": {
+                n: {"step": steps.get(n, torch.tensor(float(st.step)))}
+                | {k: full[f"{k}\0{n}"] for k in ("exp_avg", "exp_avg_sq") if f"{k}\0{n}" in full}
+                for n in names
+                if f"exp_avg\0{n}" in full
+            },
+            "param_groups": [{**g, "params": list(names)} for g in local["param_groups"]],
+        }
 
     def _full_moments(self, moments: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`_full` for optimizer moments keyed ``"<moment>\\0<peft name>"`` (same slicing as the
