@@ -27,7 +27,7 @@ from engine.backends.registry import build_sampling_backend
 from engine.config import ModelConfig
 from engine.protocol import SampleDelta, SampleInput, SampleOutput
 from engine.storage import SharedDirStorage
-from engine.telemetry.exporter import export_replica_metrics
+from engine.telemetry.exporter import ServesMetrics, export_replica_metrics
 from engine.telemetry.metrics import ReplicaMetrics, State, measured
 
 DEFAULT_MAX_BATCH_ROWS = 64
@@ -44,7 +44,7 @@ def _rows(inp: SampleInput) -> int:
     return n if isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1 else 1
 
 
-class Sampler:
+class Sampler(ServesMetrics):
     """One base model's sampling replica: batches requests onto one `SamplingBackend` (built by
     name in engine/backends/registry.py unless one is injected) on one worker thread."""
 
@@ -89,12 +89,6 @@ class Sampler:
             self.metrics, self._exporter = export_replica_metrics(
                 "sampler", self.model.name, data_dir, telemetry, self._telemetry_state
             )
-
-    def __del__(self) -> None:  # Ray Serve calls it when the replica shuts down
-        exporter = getattr(self, "_exporter", None)
-        if exporter is not None:
-            self._exporter = None
-            exporter.close()
 
     def _telemetry_state(self) -> State:
         """Read on the metrics scrape thread."""
@@ -211,9 +205,7 @@ class Sampler:
     def close(self) -> None:
         """Stop the worker after the queued requests are done, and the metrics endpoint
         (idempotent)."""
-        exporter, self._exporter = self._exporter, None
-        if exporter is not None:
-            exporter.close()
+        self._close_exporter()
         with self._cond:
             self._closed = True
             self._cond.notify()

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
 from engine.backends.registry import build_training_backend
@@ -34,17 +35,20 @@ from engine.protocol import (
 )
 from engine.scheduling.adapter_pool import AdapterPool
 from engine.scheduling.exactly_once import OnceCache
+from engine.scheduling.execution_probe import probe_shape, stored_or_measured
 from engine.scheduling.fair import FIXED_COST, FairScheduler
 from engine.scheduling.sequencer import Sequencer
 from engine.scheduling.slicing import merge_outputs, slice_input
 from engine.storage import SharedDirStorage
-from engine.telemetry.exporter import export_replica_metrics
+from engine.telemetry.exporter import ServesMetrics, export_replica_metrics
 from engine.telemetry.metrics import ReplicaMetrics, State, measured
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-class Trainer:
+
+class Trainer(ServesMetrics):
     """One base model's training replica: many tenants' adapters on one `TrainingBackend`, built
     by name (engine/backends/registry.py) unless one is injected."""
 
@@ -83,19 +87,12 @@ class Trainer:
         self._once = OnceCache()
         self.native = NativeModelHost(self, data_dir)
         self.metrics: ReplicaMetrics | None = None
-        self._exporter = None
         if telemetry is not None:
             self.metrics, self._exporter = export_replica_metrics(
                 "trainer", self.model.name, data_dir, telemetry, self._telemetry_state
             )
             wait = self.metrics.queue_wait
             self._sched.on_start = lambda job: wait(time.monotonic() - job.enqueued)
-
-    def __del__(self) -> None:  # Ray Serve calls it when the replica shuts down
-        exporter = getattr(self, "_exporter", None)
-        if exporter is not None:
-            self._exporter = None
-            exporter.close()
 
     def _telemetry_state(self) -> State:
         """Read on the metrics scrape thread: plain reads, each atomic under the GIL."""
@@ -139,7 +136,7 @@ class Trainer:
         costs: dict = {}
         if mode == "auto":
             try:
-                costs = self._measure_execution()
+                costs = stored_or_measured(self.backend, self._probe_shape(), self.storage.root)
                 mode = costs["choice"]
             except Exception:  # a failed measurement must not stop the server
                 log.exception("execution cost measurement failed; using sequential")
@@ -150,41 +147,8 @@ class Trainer:
         log.info("trainer %s: %s execution %s", self.model.name, mode, costs)
         return {"mode": mode, **costs}
 
-    def _measure_execution(self) -> dict:
-        """The start-up probe's costs: stored ones when this kind of host measured this model
-        lately (engine/scheduling/probe_cache.py; ~15 s of a 25 M model's start-up on a CPU),
-        else measured now and stored."""
-        from engine.scheduling.execution_probe import measure_execution_costs
-        from engine.scheduling.probe_cache import ProbeCache
-
-        shape = self._probe_shape()
-        fingerprint = self.backend.device_fingerprint()
-        if fingerprint is None:
-            return measure_execution_costs(self.backend, **shape)
-        cache = ProbeCache(self.storage.root)
-        key = cache.key(fingerprint, shape)
-        costs = cache.get(key)
-        if costs is None:
-            costs = measure_execution_costs(self.backend, **shape)
-            cache.put(key, costs)
-        return costs
-
     def _probe_shape(self) -> dict:
-        """Probe the cost model with work shaped like this replica's real jobs: up to 4 adapters,
-        each one slice of 128-token rows (at most 512 tokens, so start-up stays under ~10 s on a
-        CPU for a 25 M model). The old fixed 2 x 2x64 probe picked fused on the tiny model although
-        real 8x128 batches run 1.8x faster sequentially (benchmarks/README.md)."""
-        seq_len = 128
-        max_pos = self.backend.max_positions
-        if max_pos is not None and max_pos > 1:
-            seq_len = min(seq_len, max_pos)
-        tokens = min(self.model.slice_tokens, 512)
-        return {
-            "n_adapters": max(1, min(4, self.model.max_loaded_adapters)),
-            "batch": max(1, tokens // seq_len),
-            "seq_len": seq_len,
-            "repeats": 3,  # min of 3: one disturbed timing on a shared machine must not decide
-        }
+        return probe_shape(self.model, self.backend)
 
     async def check_custom_loss(self, graph: CustomLossGraph) -> None:
         """Check an uploaded custom loss graph (a UserInputError naming the node and the rule);
@@ -220,34 +184,30 @@ class Trainer:
     async def status(self, model_id: str, seq_id: int) -> dict:
         """Where a pending request is, for `queue_state_reason`."""
         waiting_for = self._seq.expected(model_id)
-        running = self._sched.running
-        if running is not None and running.model_id == model_id:
-            return {"queue_state": "active", "reason": f"running ({running.label})"}
-        pos = self._sched.position(model_id)
-        if pos is not None:
-            ahead, total = pos
-            return {
-                "queue_state": "active",
-                "reason": f"queued for compute: {ahead} of {total} queued jobs run first",
-            }
-        if waiting_for is not None and waiting_for < seq_id:
-            return {
-                "queue_state": "active",
-                "reason": f"waiting for seq_id {waiting_for} of this model to arrive",
-            }
-        return {"queue_state": "active", "reason": "in progress"}
+        reason = self._sched.describe(model_id)
+        if reason is None and waiting_for is not None and waiting_for < seq_id:
+            reason = f"waiting for seq_id {waiting_for} of this model to arrive"
+        return {"queue_state": "active", "reason": reason or "in progress"}
 
     # -- lifecycle -----------------------------------------------------------------------------
-    async def _create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
-        """The model's seq 0: afterwards its next request is seq 1."""
+    async def _start_model(
+        self, model_id: str, tenant: str, build: Callable[[], T], label: str
+    ) -> T:
+        """A model's seq 0 (``build`` creates its adapter): afterwards its next request is seq 1."""
         self._tenant[model_id] = tenant or model_id
 
-        def create():
-            self.backend.create_adapter(model_id, spec)
+        def start() -> T:
+            out = build()
             self.pool.added(model_id)
+            return out
 
-        await self._sched.run(self._tenant[model_id], model_id, FIXED_COST, create, "create")
+        out = await self._sched.run(self._tenant[model_id], model_id, FIXED_COST, start, label)
         self._seq.start(model_id, 1)
+        return out
+
+    async def _create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
+        create = partial(self.backend.create_adapter, model_id, spec)
+        await self._start_model(model_id, tenant, create, "create")
 
     async def _load_state(
         self,
@@ -258,34 +218,15 @@ class Trainer:
         tenant: str = "",
     ) -> LoraSpec:
         """Create-via-load (``seq_id`` None: this is the model's seq 0) or an in-order load."""
+        read = partial(self._read, model_id, directory, include_optimizer)
         if seq_id is None:
-            self._tenant[model_id] = tenant or model_id
-
-            def load_new() -> LoraSpec:
-                spec = self.backend.load_state(
-                    model_id,
-                    str(self.storage.readable(directory)),
-                    include_optimizer=include_optimizer,
-                )
-                self.pool.added(model_id)
-                return spec
-
-            spec = await self._sched.run(
-                self._tenant[model_id], model_id, FIXED_COST, load_new, "load"
-            )
-            self._seq.start(model_id, 1)
-            return spec
+            return await self._start_model(model_id, tenant, read, "load")
         async with self._seq.turn(model_id, seq_id):
-            return await self._compute(
-                model_id,
-                FIXED_COST,
-                lambda: self.backend.load_state(
-                    model_id,
-                    str(self.storage.readable(directory)),
-                    include_optimizer=include_optimizer,
-                ),
-                "load_state",
-            )
+            return await self._compute(model_id, FIXED_COST, read, "load_state")
+
+    def _read(self, model_id: str, directory: str, include_optimizer: bool) -> LoraSpec:
+        readable = str(self.storage.readable(directory))
+        return self.backend.load_state(model_id, readable, include_optimizer=include_optimizer)
 
     async def delete_adapter(self, model_id: str) -> None:
         def delete():
@@ -388,38 +329,31 @@ class Trainer:
         async with self._seq.turn(model_id, seq_id):
             pass
 
+    async def _sequenced(
+        self, op: str, key: tuple[str, int], call: Callable[[], Awaitable[T]]
+    ) -> T:
+        """``call()`` once per ``key`` (a repeat gets the first execution's result), its latency
+        and failures recorded under ``op``."""
+        return await measured(self.metrics, op, lambda: self._once.run(key, call))
+
     async def create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
-        return await measured(
-            self.metrics,
-            "create_adapter",
-            lambda: self._once.run(
-                (model_id, 0), lambda: self._create_adapter(model_id, spec, tenant)
-            ),
-        )
+        call = partial(self._create_adapter, model_id, spec, tenant)
+        return await self._sequenced("create_adapter", (model_id, 0), call)
 
     async def forward_backward(
         self, model_id: str, seq_id: int, inp: ForwardBackwardInput
     ) -> ForwardBackwardOutput:
-        return await measured(
-            self.metrics,
-            "forward" if inp.forward_only else "forward_backward",
-            lambda: self._once.run(
-                (model_id, seq_id), lambda: self._forward_backward(model_id, seq_id, inp)
-            ),
-        )
+        op = "forward" if inp.forward_only else "forward_backward"
+        call = partial(self._forward_backward, model_id, seq_id, inp)
+        return await self._sequenced(op, (model_id, seq_id), call)
 
     async def optim_step(self, model_id: str, seq_id: int, params: AdamParams) -> OptimStepOutput:
-        return await measured(
-            self.metrics,
-            "optim_step",
-            lambda: self._once.run(
-                (model_id, seq_id), lambda: self._optim_step(model_id, seq_id, params)
-            ),
-        )
+        call = partial(self._optim_step, model_id, seq_id, params)
+        return await self._sequenced("optim_step", (model_id, seq_id), call)
 
     async def skip(self, model_id: str, seq_id: int) -> None:
         """Let a request the gateway rejected pass the ordering (exactly once per seq_id)."""
-        return await self._once.run((model_id, seq_id), lambda: self._skip(model_id, seq_id))
+        return await self._once.run((model_id, seq_id), partial(self._skip, model_id, seq_id))
 
     async def save_state(
         self,
@@ -431,16 +365,10 @@ class Trainer:
     ) -> int:
         """In seq order: write the adapter to ``directory``; with ``age_recipients``, as an
         age-encrypted export (`TrainingBackend.save_state`)."""
-        return await measured(
-            self.metrics,
-            "save_state",
-            lambda: self._once.run(
-                (model_id, seq_id),
-                lambda: self._save_state(
-                    model_id, seq_id, directory, include_optimizer, tuple(age_recipients)
-                ),
-            ),
+        call = partial(
+            self._save_state, model_id, seq_id, directory, include_optimizer, tuple(age_recipients)
         )
+        return await self._sequenced("save_state", (model_id, seq_id), call)
 
     async def load_state(
         self,
@@ -450,14 +378,9 @@ class Trainer:
         include_optimizer: bool,
         tenant: str = "",
     ) -> LoraSpec:
-        return await measured(
-            self.metrics,
-            "load_state",
-            lambda: self._once.run(
-                (model_id, 0 if seq_id is None else seq_id),
-                lambda: self._load_state(model_id, seq_id, directory, include_optimizer, tenant),
-            ),
-        )
+        key = (model_id, 0 if seq_id is None else seq_id)
+        call = partial(self._load_state, model_id, seq_id, directory, include_optimizer, tenant)
+        return await self._sequenced("load_state", key, call)
 
     async def replays(self) -> int:
         """How many repeated (model_id, seq_id) calls were answered from the first execution."""

@@ -59,17 +59,17 @@ async def get_settings(request: Request) -> Settings:
 
 #: the largest integer a BIGINT column or OFFSET holds (SQLite and Postgres: signed 64-bit).
 #: Offsets from a query string are bounded by it (row ids by ROW_ID_MAX below), so a larger one is
-#: a 400 from validation instead of an OverflowError in the driver (a 500; found by fuzzing)
+#: a 400 from validation instead of an OverflowError in the driver (a 500)
 DB_INT_MAX = 2**63 - 1
 #: a seed (LoRA init, sampling) on the wire: the engine's range (signed 64-bit), which the
-#: training_runs.seed column holds (a larger one was a 500: 'integer out of range' on Postgres,
-#: already past 2**31 before migration 0006)
+#: training_runs.seed column holds (a larger one would be a 500: 'integer out of range' on
+#: Postgres)
 SEED_MIN, SEED_MAX = SEED_RANGE
 #: the longest TTL a checkpoint or key may be given: 10 years (a larger one overflowed the expiry
-#: datetime: an OverflowError 500, found by fuzzing); None means no expiry
+#: datetime: an OverflowError, a 500); None means no expiry
 MAX_TTL_S = 10 * 365 * 86400
 #: the largest row id: id columns are INTEGER, 32-bit on Postgres (SERIAL), where comparing one
-#: with a larger number is 'integer out of range' (a 500, found by fuzzing on Postgres)
+#: with a larger number is 'integer out of range' (a 500)
 ROW_ID_MAX = 2**31 - 1
 #: a row id in a path / an optional one in a query string, bounded as above
 PathRowId = Annotated[int, Path(ge=0, le=ROW_ID_MAX)]

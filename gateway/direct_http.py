@@ -9,7 +9,7 @@ actor call carrying the ASGI messages to the replica and back). Measured on the 
 (benchmarks/README.md, ``service_path.py``): a bare ``GET /api/v1/livez`` took 4-9 ms through the
 proxy and 1.5-2 ms served by the replica itself, and a training step makes four requests (two
 submissions, two long polls), two of them on the step's critical path, while the proxy's CPU is
-taken from the Trainer's cores. ``gateway.ingress: serve_proxy`` keeps the old path.
+taken from the Trainer's cores. ``gateway.ingress: serve_proxy`` routes through the proxy instead.
 """
 
 from __future__ import annotations

@@ -256,8 +256,8 @@ async def _db_error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, DataError):
         # A value the database refuses (Postgres: an integer past its column, a string past its
         # length, a NUL byte in text): the request's input, not a fault. Fields are bounded on
-        # the wire where we know them; this is the net for the rest (found by fuzzing on
-        # Postgres). The driver's own message only: the statement and its parameters stay out.
+        # the wire where we know them; this is the net for the rest, which would otherwise be a
+        # 500. The driver's own message only: the statement and its parameters stay out.
         reason = str(getattr(exc, "orig", None) or type(exc).__name__).splitlines()[0][:200]
         log.info("database refused a value on %s %s: %s", request.method, request.url.path, reason)
         return error_response(

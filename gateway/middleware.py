@@ -121,6 +121,50 @@ class RequestHeadersMiddleware:
         await self.app(scope, receive, send_with_headers)
 
 
+async def _read_body(receive: Receive) -> bytes:
+    """The whole request body (every ``http.request`` message)."""
+    body = b""
+    more = True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    return body
+
+
+class _Recorded:
+    """Passes a response through to ``send`` and keeps a copy of it, to replay later copies of
+    the request."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.status = 0
+        self.headers: list[tuple[str, str]] = []
+        self.chunks: list[bytes] = []
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = [
+                (k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])
+            ]
+        elif message["type"] == "http.response.body":
+            self.chunks.append(message.get("body", b""))
+        await self._send(message)
+
+    def record(self, body_hash: str) -> dict | None:
+        """What the KV keeps for a 2xx response up to `_MAX_CACHED_BODY` bytes; None otherwise."""
+        out = b"".join(self.chunks)
+        if not (200 <= self.status < 300 and len(out) <= _MAX_CACHED_BODY):
+            return None
+        return {
+            "status": self.status,
+            "headers": [h for h in self.headers if h[0].lower() != "content-length"],
+            "body": out.decode("latin-1"),
+            "body_hash": body_hash,
+        }
+
+
 class IdempotencyKeyMiddleware:
     """Replays a request that already succeeded under the same ``X-Idempotency-Key`` (see the
     module docstring). Runs inside `RequestHeadersMiddleware` (it needs the request id)."""
@@ -152,12 +196,7 @@ class IdempotencyKeyMiddleware:
     async def _idempotent(
         self, scope: Scope, receive: Receive, send: Send, headers: Headers, key: str, kv: KV
     ) -> None:
-        body = b""
-        more = True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
+        body = await _read_body(receive)
         caller = hashlib.sha256((extract_api_key(headers) or "").encode()).hexdigest()[:32]
         cache_key = (
             "idk:"
@@ -179,33 +218,12 @@ class IdempotencyKeyMiddleware:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        status = 0
-        resp_headers: list[tuple[str, str]] = []
-        chunks: list[bytes] = []
-
-        async def capture(message: Message) -> None:
-            nonlocal status, resp_headers
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                resp_headers = [
-                    (k.decode("latin-1"), v.decode("latin-1"))
-                    for k, v in message.get("headers", [])
-                ]
-            elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-            await send(message)
-
+        response = _Recorded(send)
         stored = False
         try:
-            await self.app(scope, replay_body, capture)
-            out = b"".join(chunks)
-            if 200 <= status < 300 and len(out) <= _MAX_CACHED_BODY:
-                record = {
-                    "status": status,
-                    "headers": [h for h in resp_headers if h[0].lower() != "content-length"],
-                    "body": out.decode("latin-1"),
-                    "body_hash": body_hash,
-                }
+            await self.app(scope, replay_body, response.send)
+            record = response.record(body_hash)
+            if record is not None:
                 # A plain set: this request holds the key's claim marker and replaces it.
                 await kv.set(cache_key, json.dumps(record).encode(), IDEMPOTENCY_TTL_S)
                 stored = True

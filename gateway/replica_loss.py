@@ -18,9 +18,9 @@ that Trainer replica reads the key once a second (one GET per Trainer replica pe
 while calls wait), so a call that another gateway replica's death report dooms fails within about a
 second too. A report dooms only the calls and models that replica had started before the death
 was seen: a replica that saw nothing itself keeps using the life the report ends until its next
-read, and what it started there after the death went to the new Trainer replica (in CI, stop 34, a
-tenant resuming through such a replica had its new model's load_state failed by that replica's
-next read of the old report). A call also reads the key before it starts when the last read is
+read, and what it started there after the death went to the new Trainer replica (else a tenant
+resuming through such a replica would have its new model's load_state failed by the replica's
+next read of that report). A call also reads the key before it starts when the last read is
 over a second old, so a new life's baseline is the report as it stood when the life began.
 Sparing rather than failing a call in doubt costs at worst the slow path (the new replica says
 the adapter is not loaded); failing it wrongly would be an error the tenant did nothing to cause.

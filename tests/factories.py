@@ -1,7 +1,8 @@
 """Shared test data: random training datums (engine `DatumInput` / `ForwardBackwardInput` and Tinker
 `types.Datum`) and random LoRA adapters saved as PEFT checkpoints.
 
-Also generated images (`png`) for the vision-language tests.
+Also generated images (`png`) for the vision-language tests, and a user with an API key
+(`create_user_and_key`) for tests that set up a database without the admin API.
 
 Each datum draws its tokens (``length + 1`` ids: inputs and next-token targets) and then, when
 ``weights`` is a range, its weights from the generator, so a seed gives the same data everywhere.
@@ -10,10 +11,14 @@ Each datum draws its tokens (``length + 1`` ids: inputs and next-token targets) 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.protocol import DatumInput, ForwardBackwardInput, LoraSpec
+
+if TYPE_CHECKING:
+    from sqlmodel import Session
 
 
 def _rng(seed_or_rng: int | np.random.Generator) -> np.random.Generator:
@@ -144,3 +149,18 @@ def png(text: str, size: tuple[int, int] = (56, 56), fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
     img.save(buf, format=fmt)
     return buf.getvalue()
+
+
+def create_user_and_key(
+    session: Session, *, user_name: str, admin: bool, org_name: str | None = None
+) -> str:
+    """Create user ``user_name`` (in organization ``org_name``, default "default") if missing,
+    add a key (scope "admin" if ``admin`` else "user"), and return the plaintext key; this is the
+    only time it exists."""
+    from gateway.accounts.keys import SCOPE_ADMIN, SCOPE_USER
+    from gateway.accounts.service import create_key, ensure_user
+
+    user = ensure_user(session, user_name, org_name=org_name, admin=admin)
+    assert user.id is not None
+    key, _row = create_key(session, user.id, scope=SCOPE_ADMIN if admin else SCOPE_USER)
+    return key

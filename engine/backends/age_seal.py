@@ -54,6 +54,11 @@ def age_sealer(keys: Sequence[str]) -> Sealer | None:
     return seal
 
 
+def export_sealer(keys: Sequence[str]) -> Sealer:
+    """How a checkpoint's files are written: encrypted to ``keys``, or `plain` without any."""
+    return age_sealer(keys) or plain
+
+
 def plain(name: str, data: bytes) -> tuple[str, bytes]:
     """The identity `Sealer`: the file as it is."""
     return name, data

@@ -4,7 +4,8 @@ Owns the math of every built-in loss (shared/docs/tinker-protocol.md §11, plus 
 as pure functions over torch tensors of ONE datum (or, for DPO, of a list of datums), so the
 single-adapter and the fused multi-adapter paths compute exactly the same thing; the `LossSpec`
 registry (required/optional ``loss_fn_inputs``, accepted ``loss_fn_config`` keys and defaults);
-parsing of ``loss_fn_config``; and the reduction of partial metrics across micro-batches.
+and the reduction of partial metrics across micro-batches. Parsing ``loss_fn_config`` against the
+registry: engine/backends/loss_config.py.
 
 Every loss is a SUM over tokens and datums, except ``dpo`` with ``mean_reduction`` (below).
 Notation: ``lp`` = learner log p of target_tokens [N], ``old`` = ``loss_fn_inputs["logprobs"]``
@@ -68,7 +69,6 @@ Without ``dpo_*`` keys, ``importance_sampling`` is Tinker's, unchanged.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -87,8 +87,6 @@ if TYPE_CHECKING:
 DISABLE_LORA = "disable_lora"
 #: dpo's loss_fn_config keys of the mean reduction (module doc)
 MEAN_REDUCTION, NUM_PAIRS, NUM_CHOSEN_TOKENS = "mean_reduction", "num_pairs", "num_chosen_tokens"
-_TRUE = ("1", "1.0", "true", "yes", "on")
-_FALSE = ("0", "0.0", "false", "no", "off", "")
 
 
 # ----------------------------------------------------------------------------------- the math
@@ -191,7 +189,7 @@ class LossSpec:
     check: Callable[[Mapping[str, np.ndarray], str], None] | None = None
 
 
-def _clip(cfg: Mapping[str, float]) -> tuple[float, float]:
+def clip_range(cfg: Mapping[str, float]) -> tuple[float, float]:
     return cfg["clip_low_threshold"], cfg["clip_high_threshold"]
 
 
@@ -221,13 +219,15 @@ LOSSES: dict[str, LossSpec] = {
             "ppo",
             inputs=("logprobs", "advantages"),
             config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-            per_token=lambda lp, x, cfg: ppo(lp, x["logprobs"], x["advantages"], *_clip(cfg)),
+            per_token=lambda lp, x, cfg: ppo(lp, x["logprobs"], x["advantages"], *clip_range(cfg)),
         ),
         LossSpec(
             "cispo",
             inputs=("logprobs", "advantages"),
             config={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
-            per_token=lambda lp, x, cfg: cispo(lp, x["logprobs"], x["advantages"], *_clip(cfg)),
+            per_token=lambda lp, x, cfg: cispo(
+                lp, x["logprobs"], x["advantages"], *clip_range(cfg)
+            ),
         ),
         LossSpec(
             "dro",
@@ -240,7 +240,7 @@ LOSSES: dict[str, LossSpec] = {
             inputs=("logprobs", "advantages", "sequence_ratio_mask"),
             config={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
             per_token=lambda lp, x, cfg: gspo(
-                lp, x["logprobs"], x["advantages"], x["sequence_ratio_mask"], *_clip(cfg)
+                lp, x["logprobs"], x["advantages"], x["sequence_ratio_mask"], *clip_range(cfg)
             ),
             check=_some_masked,
         ),
@@ -277,75 +277,6 @@ def get_loss(name: object) -> LossSpec:
     if spec is None:
         raise UserInputError(f"unknown loss_fn {name!r}; known: {', '.join(KNOWN_LOSSES)}")
     return spec
-
-
-def _number(key: str, value: object) -> float:
-    if isinstance(value, bool):
-        value = float(value)
-    try:
-        out = float(value.strip()) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        out = math.nan
-    if not math.isfinite(out):
-        raise UserInputError(f"loss_fn_config.{key}: {value!r} must be a finite number")
-    return out
-
-
-def _flag(key: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    raise UserInputError(f"loss_fn_config.{key}: {value!r} must be true/false (or 1/0)")
-
-
-def parse_config(
-    spec: LossSpec, raw: Mapping[str, object] | None, forward_only: bool
-) -> tuple[dict[str, float], bool]:
-    """Validate ``loss_fn_config`` for ``spec``: (config with defaults filled in, disable_lora)."""
-    cfg = dict(spec.config)
-    disable = False
-    accepted = sorted([*spec.config, DISABLE_LORA])
-    for key, value in (raw or {}).items():
-        if key == DISABLE_LORA:
-            disable = _flag(key, value)
-        elif key in spec.config:
-            cfg[key] = _number(key, value)
-        else:
-            raise UserInputError(
-                f"loss_fn_config.{key}: unknown key for loss_fn {spec.name!r}; "
-                f"accepted: {', '.join(accepted)}"
-            )
-    if disable and not forward_only:
-        raise UserInputError(
-            f"loss_fn_config.{DISABLE_LORA}: only allowed with forward_only (it computes "
-            "reference logprobs of the base model, which has no trainable parameters)"
-        )
-    if "clip_low_threshold" in cfg:
-        lo, hi = _clip(cfg)
-        if lo < 0 or hi < lo:
-            raise UserInputError(
-                f"loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold "
-                f"(got {lo}, {hi})"
-            )
-    if spec.name == "dro" and cfg["beta"] < 0:
-        raise UserInputError(f"loss_fn_config.beta: {cfg['beta']} must be >= 0")
-    if spec.name == "infonce":
-        if cfg["temperature"] <= 0:
-            raise UserInputError(f"loss_fn_config.temperature: {cfg['temperature']} must be > 0")
-        if cfg["use_batch"] not in (0.0, 1.0):
-            raise UserInputError(f"loss_fn_config.use_batch: {cfg['use_batch']} must be 1 or 0")
-    if spec.name == "dpo":
-        if cfg["beta"] <= 0:
-            raise UserInputError(f"loss_fn_config.beta: {cfg['beta']} must be > 0")
-        if cfg["sft_weight"] < 0:
-            raise UserInputError(f"loss_fn_config.sft_weight: {cfg['sft_weight']} must be >= 0")
-        for key in (MEAN_REDUCTION, NUM_PAIRS, NUM_CHOSEN_TOKENS):
-            if cfg[key] < 0:
-                raise UserInputError(f"loss_fn_config.{key}: {cfg[key]} must be >= 0")
-    return cfg, disable
 
 
 # ----------------------------------------------------------------------------------- metrics

@@ -1,7 +1,9 @@
-"""The ``mock`` backend pair: deterministic, cheap, torch-free. FOR ROUTING TESTS ONLY.
+"""The ``mock`` training backend and its toy model: deterministic, cheap, torch-free. FOR
+ROUTING TESTS ONLY.
 
-Config ``backend: mock`` / ``sampler_type: mock`` (engine/backends/registry.py). It implements the
-whole `TrainingBackend` / `SamplingBackend` contract (validation, per-adapter gradients and AdamW
+Config ``backend: mock`` (engine/backends/registry.py; ``sampler_type: mock`` is its sampling
+half, engine/backends/mock_sampling.py). The pair implements the whole `TrainingBackend` /
+`SamplingBackend` contract (validation, per-adapter gradients and AdamW
 state, atomic checkpoints as real files, sampling from checkpoint directories) over a toy model, so
 tests of scheduling, routing, ordering, quotas and persistence run in milliseconds without torch.
 Its numbers are NOT a language model's: never use it where numbers are tested against the real
@@ -18,13 +20,11 @@ formula as the real backend, engine/backends/losses.py) runs on the toy embeddin
 its exact gradient. Checkpoints use the real layout
 (engine/backends/checkpoint_io.py: manifest, ``twinkle_state.json``) with the weights in
 ``adapter_model.safetensors`` (safetensors' numpy API). Sampling is a hash of (adapter weights file
-contents, prompt, seed, sample index, position): printable ASCII token ids, so the byte-level
-`MockTokenizer` decodes them to text.
+contents, prompt, seed, sample index, position): engine/backends/mock_sampling.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -34,17 +34,15 @@ from pathlib import Path
 import numpy as np
 
 from engine.backends import checkpoint_io as ckpt
-from engine.backends.adapter_cache import WEIGHTS_FILE, AdapterDirCache
-from engine.backends.age_seal import age_sealer, plain
+from engine.backends.adapter_cache import WEIGHTS_FILE
+from engine.backends.age_seal import export_sealer
 from engine.backends.base import (
     GradOp,
-    SamplingBackend,
-    TokenListener,
     TrainingBackend,
     check_grad_op,
 )
-from engine.backends.sample_checks import is_int, validate_sample_input
-from engine.errors import AdapterNotFoundError, CheckpointError, EngineError, UserInputError
+from engine.backends.sample_checks import is_int
+from engine.errors import AdapterNotFoundError, CheckpointError, UserInputError
 from engine.protocol import (
     EMBEDDING_LOSS_FNS,
     AdamParams,
@@ -52,9 +50,6 @@ from engine.protocol import (
     ForwardBackwardOutput,
     LoraSpec,
     OptimStepOutput,
-    SampledSequence,
-    SampleInput,
-    SampleOutput,
 )
 
 #: entries of an adapter's toy weight vector
@@ -330,7 +325,7 @@ class MockTrainingBackend(TrainingBackend):
         from safetensors.numpy import save, save_file
 
         st = self._get(adapter_id)
-        seal = age_sealer(age_recipients) or plain
+        seal = export_sealer(age_recipients)
 
         def fill(tmp: Path) -> None:
             config = {
@@ -380,118 +375,3 @@ class MockTrainingBackend(TrainingBackend):
             st.m, st.v, st.step = opt["m"].copy(), opt["v"].copy(), step
         self._adapters[adapter_id] = st
         return st.spec
-
-
-class MockTokenizer:
-    """Byte-level stand-in for a Hugging Face tokenizer: id < 256 is that byte, `EOS_ID` is
-    ``</s>``; the chat template writes ``<|role|>content\\n`` per message."""
-
-    eos_token, eos_token_id, pad_token_id = "</s>", EOS_ID, EOS_ID
-    chat_template = "mock"
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids, skip_special_tokens: bool = False, **_: object) -> str:
-        raw = bytearray()
-        for t in ids:
-            if 0 <= int(t) < 256:
-                raw.append(int(t))
-            elif int(t) == EOS_ID and not skip_special_tokens:
-                raw.extend(self.eos_token.encode())
-        return raw.decode("utf-8", errors="replace")
-
-    def apply_chat_template(
-        self, messages, add_generation_prompt: bool = True, tokenize: bool = True, **_: object
-    ):
-        text = "".join(f"<|{m['role']}|>{m.get('content') or ''}\n" for m in messages)
-        text += "<|assistant|>" if add_generation_prompt else ""
-        return self.encode(text) if tokenize else text
-
-
-def _hash(*parts: object) -> int:
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
-
-
-class MockSamplingBackend(SamplingBackend):
-    """Hash-derived tokens from the prompt and the adapter's weights file. Routing tests only.
-
-    Same inputs, same tokens, with or without a seed (temperature 0: every sample is the same).
-    A sequence ends at a stop token, a stop string, or ``max_tokens``; it never emits EOS.
-    """
-
-    #: always known for this backend (the base class allows None)
-    max_positions: int
-
-    def __init__(
-        self,
-        *,
-        vocab_size: int = VOCAB_SIZE,
-        max_positions: int | None = None,
-        max_cached_adapters: int = 32,
-    ) -> None:
-        self.vocab_size = int(vocab_size)
-        self.max_positions = int(max_positions) if max_positions else 2048
-        self.tokenizer = MockTokenizer()
-        # adapter directory → sha256 of its weights file (rewritten in place: hashed afresh)
-        self._cache: AdapterDirCache[str] = AdapterDirCache(max_cached_adapters)
-
-    def _fingerprint(self, adapter_dir: str | None) -> str:
-        if adapter_dir is None:
-            return "base"
-
-        def load(path: str) -> str:
-            return hashlib.sha256((Path(path) / WEIGHTS_FILE).read_bytes()).hexdigest()
-
-        fp = self._cache.get(adapter_dir, load, lambda _: None)
-        self._cache.trim(lambda _: None)
-        return fp
-
-    def cached_adapter_dirs(self) -> list[str]:
-        return self._cache.dirs()
-
-    def _sample(self, inp: SampleInput, listener: TokenListener | None) -> SampleOutput:
-        validate_sample_input(inp, vocab_size=self.vocab_size, max_positions=self.max_positions)
-        p, prompt = inp.params, tuple(int(t) for t in inp.prompt_tokens)
-        fp = self._fingerprint(inp.adapter_dir)
-        stops = {int(t) for t in p.stop_token_ids}
-        seqs = []
-        for s in range(inp.num_samples):
-            row = 0 if p.temperature == 0 else s  # greedy: every row is the same
-            tokens: list[int] = []
-            lps: list[float] = []
-            reason = "length"
-            for j in range(p.max_tokens):
-                h = _hash(fp, prompt, p.seed, row, j)
-                tok, lp = 32 + h % 95, -1.0 - (h >> 16) % 1000 / 1000.0  # printable ASCII
-                tokens.append(tok)
-                lps.append(lp)
-                if listener is not None:
-                    listener(s, tok, lp)
-                text = self.tokenizer.decode(tokens)
-                if tok in stops or any(x in text for x in p.stop_strings):
-                    reason = "stop"
-                    break
-            seqs.append(SampledSequence(tokens, lps, reason))
-        prompt_lps = None
-        if inp.prompt_logprobs:
-            prompt_lps = [math.nan] + [
-                -1.0 - _hash(fp, prompt[: j + 1]) % 1000 / 1000.0 for j in range(1, len(prompt))
-            ]
-        return SampleOutput(sequences=seqs, prompt_logprobs=prompt_lps)
-
-    def sample(self, inp: SampleInput) -> SampleOutput:
-        return self._sample(inp, None)
-
-    def sample_many(
-        self,
-        inputs: Sequence[SampleInput],
-        listeners: Sequence[TokenListener | None] | None = None,
-    ) -> list[SampleOutput | EngineError]:
-        results: list[SampleOutput | EngineError] = []
-        for i, inp in enumerate(inputs):
-            try:
-                results.append(self._sample(inp, listeners[i] if listeners else None))
-            except EngineError as e:
-                results.append(e)
-        return results

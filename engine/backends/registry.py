@@ -4,7 +4,7 @@ Owns `build_training_backend` and `build_sampling_backend`, which the Trainer an
 call when no backend is injected. Every builder imports its backend module inside the function,
 so importing this registry (or building ``mock``) loads no torch, transformers or vLLM; an
 optional dependency that is missing fails only the model that names it. An unknown name is a
-`ConfigError` listing the known ones (engine/config.py validates the same names at load time).
+`ConfigError` listing the known ones (engine/config validates the same names at load time).
 
 Names: training ``transformers`` (HF + multi-LoRA, CPU or one GPU), ``megatron`` (Megatron-Core,
 TP x PP ranks per replica; the ``megatron`` extra), ``mock`` (deterministic, no torch: routing
@@ -103,7 +103,7 @@ def _vllm(model: ModelConfig, data_dir: str) -> SamplingBackend:
 
 
 def _mock_sampling(model: ModelConfig, data_dir: str) -> SamplingBackend:
-    from engine.backends.mock import MockSamplingBackend
+    from engine.backends.mock_sampling import MockSamplingBackend
 
     return MockSamplingBackend(max_positions=model.max_context_length)
 

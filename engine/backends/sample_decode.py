@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -190,27 +191,37 @@ def _runs(row_req: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-@torch.no_grad()
-def decode_batch(
+@dataclass
+class _Rows:
+    """The live decode rows: which request and sample each is, the KV cache and attention mask
+    they share, and each row's next position."""
+
+    req: list[int]
+    sample: list[int]
+    cache: Any
+    mask: torch.Tensor
+    next_pos: torch.Tensor
+
+    def keep(self, keep: list[int], device: torch.device) -> torch.Tensor:
+        """Drop the finished rows (all but ``keep``) from the batch and the cache; ``keep`` as a
+        tensor, to select the same rows elsewhere."""
+        idx = torch.tensor(keep, dtype=torch.long, device=device)
+        self.cache.batch_select_indices(idx)
+        self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
+        self.req = [self.req[j] for j in keep]
+        self.sample = [self.sample[j] for j in keep]
+        return idx
+
+
+def _prefill(
     model: nn.Module,
     reqs: list[RequestState],
-    *,
     pad_id: int,
     device: torch.device,
-    hits_stop: Callable[[list[int], list[str], int], bool],
-    vision: Vision | None = None,
-) -> None:
-    """Decode every request of ``reqs`` (already in adapter order) in one batch; fills their state.
-
-    ``vision`` (VL models): rows with images get their pixels and M-RoPE positions (3-D on the
-    image, then text positions shifted by the row's delta, also for every decoded token).
-
-    ``hits_stop(tokens, stop_strings, window)`` says whether a row's text now contains a stop
-    string. Raises only for unexpected (backend) failures.
-    """
-    if not reqs:
-        return
-    # ---------------------------------------------------------------- prefill, one row per request
+    vision: Vision | None,
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One left-padded row per request through the model (prompt scores where asked): the KV
+    cache, each row's last logits, the attention mask and the M-RoPE position delta per row."""
     lengths = [len(r.prompt) for r in reqs]
     width = max(lengths)
     ids = torch.full((len(reqs), width), pad_id, dtype=torch.long)
@@ -240,11 +251,18 @@ def decode_batch(
         if r.wants_prompt_scores:
             lo = width - lengths[i]
             prompt_scores(r, out.logits[i, lo : width - 1].float(), ids[i, lo + 1 :], r.alt_gen)
-    cache = out.cache
-    last = out.logits[:, -1, :].float()
-    del out
+    return out.cache, out.logits[:, -1, :].float(), mask, delta
 
-    # ---------------------------------------------------------------- one row per sample
+
+def _expand(
+    reqs: list[RequestState],
+    cache: Any,
+    last: torch.Tensor,
+    mask: torch.Tensor,
+    delta: torch.Tensor,
+    device: torch.device,
+) -> tuple[_Rows, torch.Tensor]:
+    """The prefill's one row per request gathered to one row per sample; the rows' logits."""
     row_req = [i for i, r in enumerate(reqs) for _ in range(r.num_samples)]
     row_sample = [s for r in reqs for s in range(r.num_samples)]
     if len(row_req) != len(reqs):
@@ -252,59 +270,108 @@ def decode_batch(
         cache.batch_select_indices(gather)
         last, mask, delta = last[gather], mask[gather], delta[gather]
     # M-RoPE rows continue from their shifted positions (delta 0 for text-only rows and models)
-    next_pos = torch.tensor([lengths[i] for i in row_req], dtype=torch.long, device=device) + delta
-    logits = last
-    max_tokens = [r.inp.params.max_tokens for r in reqs]
-    top_k_max = max(r.inp.topk_sample_logprobs for r in reqs)
+    lengths = torch.tensor([len(reqs[i].prompt) for i in row_req], dtype=torch.long, device=device)
+    return _Rows(row_req, row_sample, cache, mask, lengths + delta), last
 
+
+_Picked = tuple[torch.Tensor, torch.Tensor, list, list]
+
+
+def _pick(logits: torch.Tensor, reqs: list[RequestState], row_req: list[int]) -> _Picked:
+    """Each row's next token (argmax, or a draw from the request's own generator over its
+    filtered distribution) and its logprob, plus the top-k logprobs when any request asks."""
+    raw_lp = torch.log_softmax(logits, dim=-1)
+    nxt = torch.argmax(logits, dim=-1)
+    for i, start, end in _runs(row_req):
+        r = reqs[i]
+        if r.generator is None:
+            continue
+        p = r.inp.params
+        x = filter_logits(logits[start:end] / p.temperature, p.top_k, p.top_p)
+        draw = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=r.generator)
+        nxt[start:end] = draw[:, 0]
+    chosen = raw_lp.gather(-1, nxt[:, None])[:, 0]
+    top_ids: list = []
+    top_lps: list = []
+    if top_k_max := max(r.inp.topk_sample_logprobs for r in reqs):
+        top = raw_lp.topk(top_k_max, dim=-1)
+        top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+    return nxt, chosen, top_ids, top_lps
+
+
+def _record(
+    reqs: list[RequestState],
+    rows: _Rows,
+    picked: _Picked,
+    hits_stop: Callable[[list[int], list[str], int], bool],
+) -> list[int]:
+    """Append each row's token to its request's state (and tell its listener); the rows that go
+    on (neither stopped nor at max_tokens)."""
+    nxt, chosen, top_ids, top_lps = picked
+    keep: list[int] = []
+    for j, (tok, lpv) in enumerate(zip(nxt.tolist(), chosen.tolist(), strict=True)):
+        r = reqs[rows.req[j]]
+        s = rows.sample[j]
+        toks = r.tokens[s]
+        toks.append(tok)
+        r.logprobs[s].append(lpv)
+        if k := r.inp.topk_sample_logprobs:
+            r.topk[s].append((top_ids[j][:k], top_lps[j][:k]))
+        if r.listener is not None:
+            r.listener(s, tok, lpv)
+        if tok in r.stop_ids or (r.stops and hits_stop(toks, r.stops, r.window)):
+            r.reasons[s] = "stop"  # a finished row stops growing
+        elif len(toks) < r.inp.params.max_tokens:
+            keep.append(j)
+    return keep
+
+
+def _step(
+    model: nn.Module, reqs: list[RequestState], rows: _Rows, nxt: torch.Tensor
+) -> torch.Tensor:
+    """Feed one token per live row (the mask grown by one column); the next logits."""
+    rows.mask = torch.cat([rows.mask, rows.mask.new_ones((rows.mask.shape[0], 1))], dim=1)
+    with lora_routing(model, adapter_segments([reqs[i].adapter for i in rows.req])):
+        out = model(
+            input_ids=nxt[:, None],
+            attention_mask=rows.mask,
+            position_ids=rows.next_pos[:, None],
+            cache=rows.cache,
+            use_cache=True,
+        )
+    rows.next_pos = rows.next_pos + 1
+    rows.cache = out.cache
+    return out.logits[:, -1, :].float()
+
+
+@torch.no_grad()
+def decode_batch(
+    model: nn.Module,
+    reqs: list[RequestState],
+    *,
+    pad_id: int,
+    device: torch.device,
+    hits_stop: Callable[[list[int], list[str], int], bool],
+    vision: Vision | None = None,
+) -> None:
+    """Decode every request of ``reqs`` (already in adapter order) in one batch; fills their state.
+
+    ``vision`` (VL models): rows with images get their pixels and M-RoPE positions (3-D on the
+    image, then text positions shifted by the row's delta, also for every decoded token).
+
+    ``hits_stop(tokens, stop_strings, window)`` says whether a row's text now contains a stop
+    string. Raises only for unexpected (backend) failures.
+    """
+    if not reqs:
+        return
+    cache, last, mask, delta = _prefill(model, reqs, pad_id, device, vision)
+    rows, logits = _expand(reqs, cache, last, mask, delta, device)
     while True:
-        raw_lp = torch.log_softmax(logits, dim=-1)
-        nxt = torch.argmax(logits, dim=-1)
-        for i, start, end in _runs(row_req):
-            r = reqs[i]
-            if r.generator is None:
-                continue
-            p = r.inp.params
-            x = filter_logits(logits[start:end] / p.temperature, p.top_k, p.top_p)
-            nxt[start:end] = torch.multinomial(torch.softmax(x, dim=-1), 1, generator=r.generator)[
-                :, 0
-            ]
-        chosen = raw_lp.gather(-1, nxt[:, None])[:, 0]
-        if top_k_max:
-            top = raw_lp.topk(top_k_max, dim=-1)
-            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
-        keep: list[int] = []
-        for j, (tok, lpv) in enumerate(zip(nxt.tolist(), chosen.tolist(), strict=True)):
-            r = reqs[row_req[j]]
-            s = row_sample[j]
-            toks = r.tokens[s]
-            toks.append(tok)
-            r.logprobs[s].append(lpv)
-            if k := r.inp.topk_sample_logprobs:
-                r.topk[s].append((top_ids[j][:k], top_lps[j][:k]))
-            if r.listener is not None:
-                r.listener(s, tok, lpv)
-            if tok in r.stop_ids or (r.stops and hits_stop(toks, r.stops, r.window)):
-                r.reasons[s] = "stop"  # a finished row stops growing
-            elif len(toks) < max_tokens[row_req[j]]:
-                keep.append(j)
+        picked = _pick(logits, reqs, rows.req)
+        keep = _record(reqs, rows, picked, hits_stop)
         if not keep:
             break
-        if len(keep) < len(row_req):  # drop finished rows from the batch and the cache
-            idx = torch.tensor(keep, dtype=torch.long, device=device)
-            cache.batch_select_indices(idx)
-            nxt, mask, next_pos = nxt[idx], mask[idx], next_pos[idx]
-            row_req = [row_req[j] for j in keep]
-            row_sample = [row_sample[j] for j in keep]
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        with lora_routing(model, adapter_segments([reqs[i].adapter for i in row_req])):
-            out = model(
-                input_ids=nxt[:, None],
-                attention_mask=mask,
-                position_ids=next_pos[:, None],
-                cache=cache,
-                use_cache=True,
-            )
-        next_pos = next_pos + 1
-        cache = out.cache
-        logits = out.logits[:, -1, :].float()
+        nxt = picked[0]
+        if len(keep) < len(rows.req):
+            nxt = nxt[rows.keep(keep, device)]
+        logits = _step(model, reqs, rows, nxt)

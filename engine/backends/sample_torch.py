@@ -21,7 +21,6 @@ from engine.backends.base import SamplingBackend, TokenListener
 from engine.backends.lora import inject_multi_lora, load_adapter, remove_adapter
 from engine.backends.sample_checks import validate_sample_input
 from engine.backends.sample_decode import RequestState, decode_batch
-from engine.backends.sample_decode import filter_logits as _filter_logits  # noqa: F401 (tests)
 from engine.backends.vision import Vision, is_vision_model, load_base_model
 from engine.errors import EngineError, UserInputError
 from engine.protocol import SampleInput, SampleOutput

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.backends.losses import LossSpec, get_loss, parse_config
+from engine.backends.loss_config import parse_config
+from engine.backends.losses import LossSpec, get_loss
 from engine.backends.tinker_dpo import tinker_dpo
 from engine.backends.vision import PREPROCESSED_KEYS, Vision, VisionInputs
 from engine.errors import UserInputError

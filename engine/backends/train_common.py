@@ -1,10 +1,11 @@
 """What both training backends (Transformers, Megatron) share about adapters and their optimizer.
 
-Owns the per-adapter state (`AdapterState`), one request's results inside a fused run (`Job`),
-the spec and Adam-parameter checks with their error texts, the AdamW construction (single-tensor
-path: bit-reproducible), and one optimizer step given the gradient's global norm (clipping as
-``torch.nn.utils.clip_grad_norm_``). The backends differ only in where gradients live and how
-their norm is summed (one process, or shards over tensor/pipeline ranks).
+Owns the per-adapter weights and optimizer (`TrainableAdapter`), one adapter's request and its
+results inside a fused run (`AdapterPass`), the spec and Adam-parameter checks with their error
+texts, the AdamW construction (single-tensor path: bit-reproducible), and one optimizer step given
+the gradient's global norm (clipping as ``torch.nn.utils.clip_grad_norm_``). The backends differ
+only in where gradients live and how their norm is summed (one process, or shards over
+tensor/pipeline ranks).
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def device_fingerprint(device: torch.device, dtype: torch.dtype, architecture: s
 
 
 @dataclass
-class AdapterState:
+class TrainableAdapter:
+    """One adapter as a backend trains it: its spec, parameters, optimizer and step count."""
+
     spec: LoraSpec
     params: dict[str, nn.Parameter]  # PEFT name → parameter (or this rank's shard), in order
     optimizer: torch.optim.AdamW
@@ -81,7 +84,7 @@ class AdapterState:
 
 
 @dataclass
-class Job:
+class AdapterPass:
     """One adapter's validated request inside a (possibly fused) run, and its results so far."""
 
     slot: int
@@ -111,7 +114,7 @@ def spec_shape(spec: LoraSpec) -> tuple:
     )
 
 
-def check_reload(st: AdapterState, spec: LoraSpec, adapter_id: str, path: object) -> None:
+def check_reload(st: TrainableAdapter, spec: LoraSpec, adapter_id: str, path: object) -> None:
     """A checkpoint loaded into an existing adapter must have its shape (the seed may differ:
     it only matters at init)."""
     if spec_shape(st.spec) != spec_shape(spec):
@@ -122,7 +125,7 @@ def check_reload(st: AdapterState, spec: LoraSpec, adapter_id: str, path: object
         )
 
 
-def finish_load(st: AdapterState, optimizer: torch.optim.AdamW, step: int, with_opt: bool):
+def finish_load(st: TrainableAdapter, optimizer: torch.optim.AdamW, step: int, with_opt: bool):
     """Install a loaded adapter's optimizer; a weights-only load starts a fresh optimizer, so
     its step count restarts too."""
     st.optimizer = optimizer
@@ -172,7 +175,7 @@ def check_adam(p: AdamParams) -> None:
             raise UserInputError(f"adam_params.{name} {v!r} must be a finite number {rule}")
 
 
-def require_grad(st: AdapterState) -> list[torch.Tensor]:
+def require_grad(st: TrainableAdapter) -> list[torch.Tensor]:
     """The adapter's gradients for a step (UserInputError without one); a parameter unused in
     the graph gets a zero gradient, not a skipped step."""
     if not st.has_grad:
@@ -188,7 +191,7 @@ def require_grad(st: AdapterState) -> list[torch.Tensor]:
     return grads
 
 
-def adam_step(st: AdapterState, grads: list[torch.Tensor], norm: float, params: AdamParams):
+def adam_step(st: TrainableAdapter, grads: list[torch.Tensor], norm: float, params: AdamParams):
     """Clip ``grads`` (whose global L2 norm is ``norm``), step, clear; the step's metrics."""
     with torch.no_grad():
         if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
@@ -215,7 +218,7 @@ def adam_step(st: AdapterState, grads: list[torch.Tensor], norm: float, params: 
 
 def run_fused(
     items: Sequence[tuple[str, ForwardBackwardInput]],
-    prepare: Callable[[int, str, ForwardBackwardInput], Job],
+    prepare: Callable[[int, str, ForwardBackwardInput], AdapterPass],
     execute: Callable[..., None],
 ) -> list[ForwardBackwardOutput | EngineError]:
     """`TrainingBackend.forward_backward_many` over a backend's ``prepare(slot, adapter_id, inp)``
@@ -229,7 +232,7 @@ def run_fused(
             raise ValueError(f"forward_backward_many: adapter {aid!r} appears more than once")
         seen.add(aid)
     results: list[ForwardBackwardOutput | EngineError | None] = [None] * len(items)
-    jobs: list[Job] = []
+    jobs: list[AdapterPass] = []
     for slot, (aid, inp) in enumerate(items):
         try:
             jobs.append(prepare(slot, aid, inp))

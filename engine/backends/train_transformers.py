@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import cast
 
 import torch
+from torch import nn
 
 from engine.backends import checkpoint_io as ckpt
 from engine.backends import custom_loss, losses
-from engine.backends.age_seal import age_sealer, plain
-from engine.backends.base import GradOp, TrainingBackend, check_grad_op
+from engine.backends.adapter_table import AdapterTable
+from engine.backends.age_seal import export_sealer, plain
+from engine.backends.base import TrainingBackend
 from engine.backends.embedding_loss import embedding_loss
 from engine.backends.lora import (
     adapter_parameters,
@@ -35,38 +37,28 @@ from engine.backends.lora import (
 )
 from engine.backends.train_batching import Datum, micro_batches, pad_rows, validate_request
 from engine.backends.train_common import (
-    AdapterState,
-    Job,
-    adam_step,
-    check_adam,
-    check_reload,
+    AdapterPass,
+    TrainableAdapter,
     check_spec,
     device_fingerprint,
     finish_load,
     new_optimizer,
-    require_grad,
-    run_fused,
 )
 from engine.backends.vision import Vision, is_vision_model, load_base_model
 from engine.errors import (
-    AdapterNotFoundError,
     CheckpointError,
-    EngineError,
     UserInputError,
 )
 from engine.protocol import (
-    AdamParams,
     ForwardBackwardInput,
-    ForwardBackwardOutput,
     LoraSpec,
-    OptimStepOutput,
 )
 
 log = logging.getLogger(__name__)
 KNOWN_LOSSES = losses.KNOWN_LOSSES
 
 
-class TransformersTrainingBackend(TrainingBackend):
+class TransformersTrainingBackend(AdapterTable, TrainingBackend):
     """Many LoRA adapters over one frozen HF causal LM; one or several adapters per pass."""
 
     #: always known for this backend (the base class allows None)
@@ -109,7 +101,7 @@ class TransformersTrainingBackend(TrainingBackend):
         weight = emb.weight
         assert isinstance(weight, torch.Tensor)  # the embedding matrix (a Parameter)
         self.device = weight.device
-        self._adapters: dict[str, AdapterState] = {}
+        self._adapters: dict[str, TrainableAdapter] = {}
 
     # ------------------------------------------------------------------------------- adapters
 
@@ -122,60 +114,15 @@ class TransformersTrainingBackend(TrainingBackend):
             has_vision=self.vision is not None,
         )
 
-    def _get(self, adapter_id: str) -> AdapterState:
-        try:
-            return self._adapters[adapter_id]
-        except KeyError:
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} is not loaded") from None
-
-    def _create(self, adapter_id: str, spec: LoraSpec) -> AdapterState:
+    def _attach(self, adapter_id: str, spec: LoraSpec) -> dict[str, nn.Parameter]:
         add_adapter(self.model, adapter_id, spec)
-        params = adapter_parameters(self.model, adapter_id)
-        st = AdapterState(spec=spec, params=params, optimizer=new_optimizer(params))
-        self._adapters[adapter_id] = st
-        return st
+        return adapter_parameters(self.model, adapter_id)
 
-    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
-        if not isinstance(adapter_id, str) or not adapter_id:
-            raise UserInputError("adapter_id: must be a non-empty string")
-        if adapter_id in self._adapters:
-            raise UserInputError(
-                f"adapter_id {adapter_id!r}: an adapter with this id exists already"
-            )
-        self._check_spec(spec, UserInputError)
-        self._create(adapter_id, spec)
+    def _detach(self, adapter_id: str) -> None:
+        remove_adapter(self.model, adapter_id)
 
-    def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self._adapters
-
-    def delete_adapter(self, adapter_id: str) -> None:
-        if self._adapters.pop(adapter_id, None) is not None:
-            remove_adapter(self.model, adapter_id)
-
-    def adapter_spec(self, adapter_id: str) -> LoraSpec:
-        return self._get(adapter_id).spec
-
-    def has_pending_grad(self, adapter_id: str) -> bool:
-        """True between a non-forward_only forward_backward and the next optim_step (False for an
-        adapter that is not loaded: it holds no gradient here)."""
-        st = self._adapters.get(adapter_id)
-        return bool(st is not None and st.has_grad)
-
-    def adapter_grad(self, adapter_id: str, op: GradOp) -> float | None:
-        """The accumulated gradient's float64 L2 norm ("norm"), or drop it ("zero")."""
-        check_grad_op(op)
-        st = self._get(adapter_id)
-        if op == "norm":
-            grads = [p.grad for p in st.params.values() if p.grad is not None]
-            return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
-        for p in st.params.values():
-            p.grad = None
-        st.has_grad = False
-        return None
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":  # CUDA launches are asynchronous; CPU ops are not
-            torch.cuda.synchronize(self.device)
+    def _grad_norm(self, st: TrainableAdapter, grads: Sequence[torch.Tensor | None]) -> float:
+        return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
 
     def device_fingerprint(self) -> dict:
         weight = self.model.get_input_embeddings().weight
@@ -186,31 +133,17 @@ class TransformersTrainingBackend(TrainingBackend):
 
     # ------------------------------------------------------------------------------- forward
 
-    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> Job:
+    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> AdapterPass:
         self._get(adapter_id)
         req = validate_request(inp, self.vocab_size, self.max_positions, self.vision)
-        return Job(slot, adapter_id, req, outputs=[{} for _ in req.data])
+        return AdapterPass(slot, adapter_id, req, outputs=[{} for _ in req.data])
 
     def validate_input(self, inp: ForwardBackwardInput) -> None:
         """Raise the UserInputError the request would fail with, without computing anything
         (the Trainer checks a whole request before running it in slices)."""
         validate_request(inp, self.vocab_size, self.max_positions, self.vision)
 
-    def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
-        job = self._prepare(0, adapter_id, inp)
-        self._execute([job], grad=not job.req.forward_only)
-        return job.result()
-
-    def forward_backward_many(
-        self, items: Sequence[tuple[str, ForwardBackwardInput]]
-    ) -> list[ForwardBackwardOutput | EngineError]:
-        """Several adapters' requests in one fused pass (see the module docstring). Each slot gets
-        its output or its own EngineError (a bad item does not stop the others); a compute failure
-        fails every item of its pass (training items, or forward_only items) and leaves their
-        accumulated gradients as they were. Duplicate adapter ids raise ValueError."""
-        return run_fused(items, self._prepare, self._execute)
-
-    def _execute(self, jobs: list[Job], *, grad: bool) -> None:
+    def _execute(self, jobs: list[AdapterPass], *, grad: bool) -> None:
         """Run ``jobs`` (distinct adapters) as padded micro-batches; with ``grad``, add each loss's
         gradient to its adapter's accumulated gradient (all or nothing)."""
         units = [(j, u) for j, job in enumerate(jobs) for u in job.req.units]
@@ -265,7 +198,7 @@ class TransformersTrainingBackend(TrainingBackend):
         pooled = hidden[torch.arange(len(rows), device=self.device), last].float()
         return torch.nn.functional.normalize(pooled, p=2, dim=-1)
 
-    def _embedding_batch(self, job: Job, idx: list[int], grad: bool) -> None:
+    def _embedding_batch(self, job: AdapterPass, idx: list[int], grad: bool) -> None:
         segments = [] if job.req.disable_lora else [(job.adapter_id, 0, len(idx))]
         with lora_routing(self.model, segments):
             emb = self._embeddings([job.req.data[i] for i in idx])
@@ -273,7 +206,7 @@ class TransformersTrainingBackend(TrainingBackend):
         if grad and loss.requires_grad:
             loss.backward()
 
-    def _micro_batch(self, jobs: list[Job], units: list[tuple[int, list[int]]], grad: bool):
+    def _micro_batch(self, jobs: list[AdapterPass], units: list[tuple[int, list[int]]], grad: bool):
         if len(units) == 1 and jobs[units[0][0]].req.loss.embedding:
             self._embedding_batch(jobs[units[0][0]], units[0][1], grad)
             return
@@ -319,15 +252,6 @@ class TransformersTrainingBackend(TrainingBackend):
         if grad and total is not None and total.requires_grad:
             total.backward()
 
-    # ------------------------------------------------------------------------------- optimizer
-
-    def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
-        st = self._get(adapter_id)
-        check_adam(params)
-        grads = require_grad(st)
-        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
-        return adam_step(st, grads, norm, params)
-
     # ------------------------------------------------------------------------------- checkpoints
 
     def save_state(
@@ -339,7 +263,7 @@ class TransformersTrainingBackend(TrainingBackend):
         age_recipients: Sequence[str] = (),
     ) -> int:
         st = self._get(adapter_id)
-        seal = age_sealer(age_recipients) or plain
+        seal = export_sealer(age_recipients)
         if include_optimizer and seal is not plain:
             raise UserInputError("age_encryption_recipients: exports hold no optimizer state")
 
@@ -357,13 +281,7 @@ class TransformersTrainingBackend(TrainingBackend):
         files = ckpt.verify_manifest(path)
         spec, step = ckpt.read_state(path)
         saved_opt = ckpt.read_optimizer(path, files, self.device) if include_optimizer else None
-        created = adapter_id not in self._adapters
-        if created:
-            self._check_spec(spec, CheckpointError)
-            st = self._create(adapter_id, spec)
-        else:
-            st = self._adapters[adapter_id]
-            check_reload(st, spec, adapter_id, path)
+        st, created = self._for_load(adapter_id, spec, path)
         try:
             # Everything that can fail on a bad file runs before the adapter is modified.
             optimizer = new_optimizer(st.params)

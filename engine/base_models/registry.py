@@ -5,7 +5,7 @@ HF-format directory, in this order: an explicit ``path``; a built-in tiny model 
 vision-language, built on first use under ``<data_dir>/models``); a pulled real model
 (``twinkle models pull``, engine/base_models/pull.py); a hub id, ``org/name`` (Hugging Face) or
 ``ms://org/name`` (ModelScope), from the local cache or downloaded when online
-(engine/config.py). Anything else is a ConfigError naming the model and how to get it.
+(engine/config/hub.py). Anything else is a ConfigError naming the model and how to get it.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from engine.config import (
     BUILTIN_MODELS,
     PULLABLE_MODELS,
     TINY_VL_MODEL_NAME,
-    hub_model_dir,
     is_hub_name,
 )
+from engine.config.hub import hub_model_dir
 from engine.errors import ConfigError
 
 #: name → sub-directory of ``<data_dir>/models`` for models the server can build itself

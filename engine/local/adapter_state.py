@@ -61,7 +61,10 @@ class MetricAcc:
 
 
 @dataclass
-class AdapterState:
+class AdapterTraining:
+    """How one adapter of the in-process API trains: its loss, optimizer and schedule settings,
+    the accumulation window and the metrics gathered since they were last read."""
+
     spec: LoraSpec
     gas: int = 1
     loss: tuple[str, str, dict] = ("cross_entropy", "cross_entropy", {})  # name, loss_fn, config

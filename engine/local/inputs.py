@@ -130,6 +130,21 @@ def row_to_datum(
         if mask.shape != ids.shape:
             raise UserInputError(f"{field}.attention_mask: length must equal len(input_ids)")
         keep = mask.astype(bool)
+    tokens, target, ignored, src = _targets(ids, labels, keep, label_format, field)
+    weights = (~ignored).astype(np.float32)
+    lfi: dict[str, np.ndarray] = {"target_tokens": target, "weights": weights}
+    lfi.update(_row_loss_inputs(item, field, full_len, src, weights))
+    for key in ROW_IMAGE_INPUTS:  # whole-row arrays, checked against the tokens by the backend
+        if item.get(key) is not None:
+            lfi[key] = as_array(item[key], f"{field}.{key}")
+    return DatumInput(tokens=tokens.tolist(), loss_fn_inputs=lfi), src, full_len
+
+
+def _targets(
+    ids: np.ndarray, labels: np.ndarray | None, keep: np.ndarray, label_format: str, field: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The row's unmasked tokens as (input tokens, target per token, ignored targets, src: each
+    target's position in the row) for ``label_format`` (module doc)."""
     pos = np.nonzero(keep)[0]
     ids = ids[keep]
     L = ids.shape[0]
@@ -143,19 +158,25 @@ def row_to_datum(
         target = lab[1:].copy()
         ignored = target == IGNORE_INDEX
         target[ignored] = ids[1:][ignored]
-        tokens, src = ids[:-1], pos[1:]
+        return ids[:-1], target, ignored, pos[1:]
+    if L < 1:
+        raise UserInputError(f"{field}.input_ids: needs at least 1 token")
+    if labels is not None:
+        target = labels[keep].copy()
     else:
-        if L < 1:
-            raise UserInputError(f"{field}.input_ids: needs at least 1 token")
-        if labels is not None:
-            target = labels[keep].copy()
-        else:
-            target = np.append(ids[1:], IGNORE_INDEX).astype(np.int64)
-        ignored = target == IGNORE_INDEX
-        target[ignored] = 0  # any valid id: weight 0 (upstream masks the same way)
-        tokens, src = ids, pos
-    weights = (~ignored).astype(np.float32)
-    lfi: dict[str, np.ndarray] = {"target_tokens": target, "weights": weights}
+        target = np.append(ids[1:], IGNORE_INDEX).astype(np.int64)
+    ignored = target == IGNORE_INDEX
+    target[ignored] = 0  # any valid id: weight 0 (upstream masks the same way)
+    return ids, target, ignored, pos
+
+
+def _row_loss_inputs(
+    item: Mapping[str, Any], field: str, full_len: int, src: np.ndarray, weights: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The row's per-token loss inputs (advantages, logprobs, ...), at the targets' positions;
+    a scalar advantage is the row's on every token, and no advantage counts where the label is
+    ignored."""
+    out: dict[str, np.ndarray] = {}
     for key in ROW_LOSS_INPUTS:
         value = item.get(key)
         if value is None:
@@ -167,16 +188,8 @@ def row_to_datum(
             arr = np.full(weights.shape, arr.reshape(()), dtype=np.float32)
         if key == "advantages" and arr.shape == weights.shape:
             arr = arr * weights  # -100 labels: no policy-gradient term there either
-        lfi[key] = arr
-    for key in ROW_IMAGE_INPUTS:  # whole-row arrays, checked against the tokens by the backend
-        if item.get(key) is not None:
-            lfi[key] = as_array(item[key], f"{field}.{key}")
-    return DatumInput(tokens=tokens.tolist(), loss_fn_inputs=lfi), src, full_len
-
-
-def hf_to_datum(item: Mapping[str, Any], field: str = "inputs[0]") -> DatumInput:
-    """One HF-style row as a Tinker-style datum (`row_to_datum` with label_format 'hf')."""
-    return row_to_datum(item, field, "hf")[0]
+        out[key] = arr
+    return out
 
 
 def tinker_to_datum(item: Any, field: str = "inputs[0]") -> DatumInput:
@@ -255,11 +268,6 @@ def convert(inputs: Any, label_format: str = "rolled") -> Batch:
     if not out.data:
         raise UserInputError("inputs: must contain at least one datum")
     return out
-
-
-def to_datums(inputs: Any, label_format: str = "rolled") -> list[DatumInput]:
-    """`convert`'s datums."""
-    return convert(inputs, label_format).data
 
 
 def weighted_tokens(data: list[DatumInput]) -> float:

@@ -62,18 +62,18 @@ from typing import Any
 
 from engine.backends.base import TrainingBackend
 from engine.errors import AdapterNotFoundError, ConfigError, UserInputError
-from engine.local.adapter_state import TRAIN_CONFIG_FILE, AdapterState, MetricAcc
+from engine.local.adapter_state import TRAIN_CONFIG_FILE, AdapterTraining, MetricAcc
 from engine.local.metrics import make_metric
 from engine.local.model_checkpoints import DEFAULT_ADAPTER, CheckpointMethods
+from engine.local.model_optimizer import OptimizerMethods
 from engine.local.passes import run_pass
 from engine.local.training_config import (
     UPSTREAM_MEAN,
-    check_clip,
     make_schedule,
     optimizer_config,
     resolve_loss,
 )
-from engine.protocol import AdamParams, lora_spec_from_config
+from engine.protocol import lora_spec_from_config
 
 __all__ = ["DEFAULT_ADAPTER", "TRAIN_CONFIG_FILE", "MultiLoraTransformersModel", "default_data_dir"]
 
@@ -92,7 +92,7 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("TWINKLE_DATA_DIR") or "./.twinkle").expanduser().absolute()
 
 
-class MultiLoraTransformersModel(CheckpointMethods):
+class MultiLoraTransformersModel(CheckpointMethods, OptimizerMethods):
     """Many LoRA adapters over one frozen HF causal LM, trained in process.
 
     ``model_id``: a local HF folder, or a known model name ("twinkle/tiny-chat", built under
@@ -125,7 +125,7 @@ class MultiLoraTransformersModel(CheckpointMethods):
                 str(model_dir), max_lora_rank=max_lora_rank, base_model_name=self.model_id
             )
         self.backend = backend
-        self._adapters: dict[str, AdapterState] = {}
+        self._adapters: dict[str, AdapterTraining] = {}
 
     # ------------------------------------------------------------------------------- adapters
 
@@ -133,7 +133,7 @@ class MultiLoraTransformersModel(CheckpointMethods):
     def adapter_names(self) -> list[str]:
         return list(self._adapters)
 
-    def _st(self, adapter_name: str) -> AdapterState:
+    def _st(self, adapter_name: str) -> AdapterTraining:
         try:
             return self._adapters[adapter_name]
         except KeyError:
@@ -158,7 +158,7 @@ class MultiLoraTransformersModel(CheckpointMethods):
             return
         spec = lora_spec_from_config(config)
         self.backend.create_adapter(adapter_name, spec)
-        self._adapters[adapter_name] = AdapterState(spec=spec, gas=gas)
+        self._adapters[adapter_name] = AdapterTraining(spec=spec, gas=gas)
 
     def remove_adapter(self, adapter_name: str = DEFAULT_ADAPTER) -> None:
         """Drop the adapter, its optimizer state and its configuration (no-op if absent)."""
@@ -295,80 +295,6 @@ class MultiLoraTransformersModel(CheckpointMethods):
             raise UserInputError("backward: call forward first (each forward allows one backward)")
         batch, loss_kwargs = st.cached
         return self._pass(adapter_name, batch, {}, loss_kwargs, "train")
-
-    # ------------------------------------------------------------------------------- optimizer
-
-    def clip_grad_norm(
-        self,
-        max_grad_norm: float = 1.0,
-        norm_type: float = 2,
-        *,
-        adapter_name: str = DEFAULT_ADAPTER,
-    ) -> float | None:
-        """Clip the accumulated gradient to ``max_grad_norm`` at the next applied step (0 = off).
-        Returns the current unclipped L2 norm (0.0 without a gradient; None if unavailable)."""
-        st = self._st(adapter_name)
-        st.clip = check_clip(max_grad_norm, norm_type)
-        if not st.pending_grad:
-            return 0.0
-        return self.backend.adapter_grad(adapter_name, "norm")
-
-    def step(self, *, adapter_name: str = DEFAULT_ADAPTER) -> dict[str, float] | None:
-        """Count one step; every ``gradient_accumulation_steps``-th call runs AdamW with lr =
-        base lr × schedule multiplier and returns its metrics (grad_norm, learning_rate, step).
-        Returns None while the accumulation window is open."""
-        st = self._st(adapter_name)
-        st.micro += 1
-        if st.micro < st.gas:
-            return None
-        st.micro = 0
-        if not st.pending_grad:
-            raise UserInputError(
-                "step: no gradient accumulated since the last step; call forward_backward first"
-            )
-        o = st.optim
-        params = AdamParams(
-            learning_rate=st.lr(),
-            beta1=o.betas[0],
-            beta2=o.betas[1],
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            grad_clip_norm=st.clip,
-        )
-        metrics = dict(self.backend.optim_step(adapter_name, params).metrics)
-        st.pending_grad, st.clip = False, 0.0
-        st.opt_steps += 1
-        if "grad_norm" in metrics:
-            st.train.grad_norms.append(float(metrics["grad_norm"]))
-        return metrics
-
-    def zero_grad(self, *, adapter_name: str = DEFAULT_ADAPTER) -> None:
-        """Drop the accumulated gradient; a no-op inside an accumulation window (as upstream)."""
-        st = self._st(adapter_name)
-        if st.micro != 0 or not st.pending_grad:
-            return
-        self.backend.adapter_grad(adapter_name, "zero")
-        st.pending_grad = False
-
-    def lr_step(self, *, adapter_name: str = DEFAULT_ADAPTER) -> None:
-        """Advance the LR schedule by one; a no-op inside an accumulation window (as upstream)."""
-        st = self._st(adapter_name)
-        if st.micro == 0:
-            st.sched_t += 1
-
-    def clip_grad_and_step(
-        self,
-        max_grad_norm: float = 1.0,
-        norm_type: float = 2,
-        *,
-        adapter_name: str = DEFAULT_ADAPTER,
-    ) -> float | None:
-        """clip_grad_norm + step + zero_grad + lr_step; returns the unclipped grad norm."""
-        norm = self.clip_grad_norm(max_grad_norm, norm_type, adapter_name=adapter_name)
-        self.step(adapter_name=adapter_name)
-        self.zero_grad(adapter_name=adapter_name)
-        self.lr_step(adapter_name=adapter_name)
-        return norm
 
     def add_metric(
         self,

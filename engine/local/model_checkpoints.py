@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.local.adapter_state import AdapterState, check_count, checkpoint_dir
+from engine.local.adapter_state import AdapterTraining, check_count, checkpoint_dir
 
 if TYPE_CHECKING:
     from engine.backends.base import TrainingBackend
@@ -21,9 +21,9 @@ class CheckpointMethods:
 
     backend: TrainingBackend
     data_dir: Path
-    _adapters: dict[str, AdapterState]
+    _adapters: dict[str, AdapterTraining]
 
-    def _st(self, adapter_name: str) -> AdapterState:  # pragma: no cover - the model's
+    def _st(self, adapter_name: str) -> AdapterTraining:  # pragma: no cover - the model's
         raise NotImplementedError
 
     def save(
@@ -90,7 +90,7 @@ class CheckpointMethods:
         )
         st = self._adapters.get(adapter_name)
         if st is None:
-            st = self._adapters[adapter_name] = AdapterState(spec=spec)
+            st = self._adapters[adapter_name] = AdapterTraining(spec=spec)
         st.spec = spec
         st.reset_window()
         st.sched_t = st.opt_steps = 0

@@ -51,7 +51,7 @@ from engine.protocol import (
 
 if TYPE_CHECKING:
     from engine.backends.base import TrainingBackend
-    from engine.local.adapter_state import AdapterState
+    from engine.local.adapter_state import AdapterTraining
 
 #: accepted values of ``task``: upstream's default causal-LM training, and embedding training
 TASKS = (None, "causal_lm", "embedding")
@@ -235,7 +235,7 @@ def pass_result(
 
 def run_pass(
     backend: TrainingBackend,
-    st: AdapterState,
+    st: AdapterTraining,
     adapter_name: str,
     inputs: Any,
     call: dict,

@@ -135,39 +135,13 @@ def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[s
     kw = dict(kwargs)
     _pop_fixed(kw, name, "ignore_index", -100, "labels use -100 for ignored positions")
     if norm.startswith("grpo"):
-        beta = kw.pop("beta", 0.0)
-        if beta:
-            raise UserInputError(f"GRPOLoss: beta {beta!r} (KL penalty) is not supported; use 0")
-        _pop_fixed(kw, name, "entropy_coef", 0.0, "no entropy bonus; use 0")
-        if "epsilon" in kw:
-            eps = float(kw.pop("epsilon"))
-            high = kw.pop("epsilon_high", None)
-            config["clip_low_threshold"] = 1.0 - eps
-            config["clip_high_threshold"] = 1.0 + float(eps if high is None else high)
-        elif kw.get("epsilon_high") is not None:
-            config["clip_high_threshold"] = 1.0 + float(kw.pop("epsilon_high"))
-        kw.pop("epsilon_high", None)
+        _grpo_config(name, kw, config)
     if loss_fn == "dpo":
-        loss_type = kw.pop("loss_type", "sigmoid")
-        if loss_type not in DPO_LOSS_TYPES:
-            raise UserInputError(
-                f"{name}: loss_type {loss_type!r} is not supported; accepted: "
-                f"{', '.join(DPO_LOSS_TYPES)}"
-            )
-        _pop_fixed(kw, name, "label_smoothing", 0.0, "use 0")
-        if _flag_value(name, "reference_free", kw.pop("reference_free", False)):
-            config["reference_free"] = 1.0
+        _dpo_config(name, kw, config)
     if norm in UPSTREAM_MEAN_LOSSES:
         config[UPSTREAM_MEAN] = 1.0
-    if loss_fn == "cross_entropy" and norm in UPSTREAM_MEAN_LOSSES:
-        reduction = kw.pop("reduction", "mean")
-        if reduction not in CE_REDUCTIONS:
-            raise UserInputError(
-                f"{name}: reduction {reduction!r} is not supported; accepted: mean, sum"
-            )
-        config[UPSTREAM_MEAN] = float(reduction == "mean")
-    elif loss_fn == "cross_entropy":
-        _pop_fixed(kw, name, "reduction", "sum", "Tinker's cross_entropy is a sum")
+    if loss_fn == "cross_entropy":
+        _cross_entropy_config(name, norm in UPSTREAM_MEAN_LOSSES, kw, config)
     if loss_fn == "infonce":
         _infonce_config(name, kw, config)
     for key, value in kw.items():
@@ -177,6 +151,53 @@ def resolve_loss(loss: Any, kwargs: Mapping[str, Any]) -> tuple[str, str, dict[s
             raise UserInputError(f"loss config {key!r}: {value!r} must be a number or a string")
         config[key] = float(value) if not isinstance(value, str) else value
     return name, loss_fn, config
+
+
+def _grpo_config(name: str, kw: dict, config: dict[str, float | str]) -> None:
+    """GRPOLoss's arguments (popped from ``kw``) into ``config``: epsilon / epsilon_high as PPO's
+    clip thresholds; no KL penalty, no entropy bonus."""
+    beta = kw.pop("beta", 0.0)
+    if beta:
+        raise UserInputError(f"GRPOLoss: beta {beta!r} (KL penalty) is not supported; use 0")
+    _pop_fixed(kw, name, "entropy_coef", 0.0, "no entropy bonus; use 0")
+    if "epsilon" in kw:
+        eps = float(kw.pop("epsilon"))
+        high = kw.pop("epsilon_high", None)
+        config["clip_low_threshold"] = 1.0 - eps
+        config["clip_high_threshold"] = 1.0 + float(eps if high is None else high)
+    elif kw.get("epsilon_high") is not None:
+        config["clip_high_threshold"] = 1.0 + float(kw.pop("epsilon_high"))
+    kw.pop("epsilon_high", None)
+
+
+def _dpo_config(name: str, kw: dict, config: dict[str, float | str]) -> None:
+    """DPOLoss's arguments (popped from ``kw``) into ``config``: the sigmoid loss only, no label
+    smoothing, ``reference_free`` as a flag."""
+    loss_type = kw.pop("loss_type", "sigmoid")
+    if loss_type not in DPO_LOSS_TYPES:
+        raise UserInputError(
+            f"{name}: loss_type {loss_type!r} is not supported; accepted: "
+            f"{', '.join(DPO_LOSS_TYPES)}"
+        )
+    _pop_fixed(kw, name, "label_smoothing", 0.0, "use 0")
+    if _flag_value(name, "reference_free", kw.pop("reference_free", False)):
+        config["reference_free"] = 1.0
+
+
+def _cross_entropy_config(
+    name: str, upstream: bool, kw: dict, config: dict[str, float | str]
+) -> None:
+    """The reduction of a cross-entropy loss: upstream's class (``upstream``) takes mean (its
+    default) or sum; Tinker's cross_entropy is a sum only."""
+    if not upstream:
+        _pop_fixed(kw, name, "reduction", "sum", "Tinker's cross_entropy is a sum")
+        return
+    reduction = kw.pop("reduction", "mean")
+    if reduction not in CE_REDUCTIONS:
+        raise UserInputError(
+            f"{name}: reduction {reduction!r} is not supported; accepted: mean, sum"
+        )
+    config[UPSTREAM_MEAN] = float(reduction == "mean")
 
 
 def _infonce_config(name: str, kw: dict, config: dict[str, float | str]) -> None:

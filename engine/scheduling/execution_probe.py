@@ -1,12 +1,14 @@
 """Start-up measurement: is a fused multi-adapter pass faster than adapters one by one here?
 
-Owns `measure_execution_costs`, which `execution: auto` (engine/config.py) can use to choose
+Owns `measure_execution_costs`, which `execution: auto` (engine/config) uses to choose
 between running several adapters' ready work as one fused batch (`forward_backward_many`) or one
 adapter after another (`forward_backward` each). The answer depends on the device: on a small CPU
 the fused batch is usually no faster (the GEMMs are already compute-bound, and the per-segment LoRA
 slicing adds work), on a GPU one large batch can fill the device where small ones cannot
 (benchmarks/README.md has the numbers). The measurement uses temporary adapters on synthetic data
-and leaves the backend as it found it.
+and leaves the backend as it found it. `probe_shape` sizes the probe like a replica's real work,
+and `stored_or_measured` reuses an answer stored for the same kind of host
+(engine/scheduling/probe_cache.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from engine.backends.base import TrainingBackend
+from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.protocol import DatumInput, ForwardBackwardInput, LoraSpec
+from engine.scheduling.probe_cache import ProbeCache
 
 #: prefix of the temporary adapters' ids (never a client's: clients' ids are run ids)
 ADAPTER_PREFIX = "__costmodel-"
@@ -80,6 +85,29 @@ def measure_execution_costs(
     tag = uuid.uuid4().hex[:8]
     ids = [f"{ADAPTER_PREFIX}{tag}-{i}" for i in range(n_adapters)]
     items = [(aid, _synthetic_request(rng, vocab, batch, seq_len)) for aid in ids]
+    created: list[str] = []
+    try:
+        for k, aid in enumerate(ids):
+            backend.create_adapter(aid, LoraSpec(rank=_rank(backend), alpha=16.0, seed=k))
+            created.append(aid)
+        fused_s, sequential_s = _time_both(backend, items, repeats)
+    finally:
+        # Deleting the adapters drops their parameters, accumulated gradients and optimizers.
+        for aid in created:
+            backend.delete_adapter(aid)
+    speedup = sequential_s / fused_s if fused_s > 0 else float("inf")
+    return {
+        "fused_s": fused_s,
+        "sequential_s": sequential_s,
+        "fused_speedup": speedup,
+        "choice": "fused" if speedup >= MIN_SPEEDUP else "sequential",
+    }
+
+
+def _time_both(
+    backend: TrainingBackend, items: list[tuple[str, ForwardBackwardInput]], repeats: int
+) -> tuple[float, float]:
+    """(fused, sequential): the best of ``repeats`` timings of each, after one warm-up of each."""
     sync = backend.synchronize  # CUDA launches are asynchronous: wait before reading the clock
 
     def fused() -> None:
@@ -96,30 +124,47 @@ def measure_execution_costs(
         sync()
         return time.perf_counter() - t0
 
-    created: list[str] = []
-    try:
-        for k, aid in enumerate(ids):
-            backend.create_adapter(aid, LoraSpec(rank=_rank(backend), alpha=16.0, seed=k))
-            created.append(aid)
-        fused()  # warm-up: first-call allocations, lazy init, kernel selection
-        sequential()
-        fused_times: list[float] = []
-        seq_times: list[float] = []
-        for r in range(repeats):
-            # Alternate the order so a slow drift of the machine does not favour one mode.
-            order = (fused, sequential) if r % 2 == 0 else (sequential, fused)
-            for fn in order:
-                (fused_times if fn is fused else seq_times).append(timed(fn))
-    finally:
-        # Deleting the adapters drops their parameters, accumulated gradients and optimizers.
-        for aid in created:
-            backend.delete_adapter(aid)
-    fused_s = min(fused_times)
-    sequential_s = min(seq_times)
-    speedup = sequential_s / fused_s if fused_s > 0 else float("inf")
+    fused()  # warm-up: first-call allocations, lazy init, kernel selection
+    sequential()
+    fused_times: list[float] = []
+    seq_times: list[float] = []
+    for r in range(repeats):
+        # Alternate the order so a slow drift of the machine does not favour one mode.
+        order = (fused, sequential) if r % 2 == 0 else (sequential, fused)
+        for fn in order:
+            (fused_times if fn is fused else seq_times).append(timed(fn))
+    return min(fused_times), min(seq_times)
+
+
+def probe_shape(model: ModelConfig, backend: TrainingBackend) -> dict:
+    """Probe the cost model with work shaped like this replica's real jobs: up to 4 adapters,
+    each one slice of 128-token rows (at most 512 tokens, so start-up stays under ~10 s on a
+    CPU for a 25 M model). A smaller 2 x 2x64 probe picks fused on the tiny model although
+    real 8x128 batches run 1.8x faster sequentially (benchmarks/README.md)."""
+    seq_len = 128
+    max_pos = backend.max_positions
+    if max_pos is not None and max_pos > 1:
+        seq_len = min(seq_len, max_pos)
+    tokens = min(model.slice_tokens, 512)
     return {
-        "fused_s": fused_s,
-        "sequential_s": sequential_s,
-        "fused_speedup": speedup,
-        "choice": "fused" if speedup >= MIN_SPEEDUP else "sequential",
+        "n_adapters": max(1, min(4, model.max_loaded_adapters)),
+        "batch": max(1, tokens // seq_len),
+        "seq_len": seq_len,
+        "repeats": 3,  # min of 3: one disturbed timing on a shared machine must not decide
     }
+
+
+def stored_or_measured(backend: TrainingBackend, shape: dict, data_root: str | Path) -> dict:
+    """The probe's costs for ``shape``: stored ones when this kind of host measured this model
+    lately (engine/scheduling/probe_cache.py; ~15 s of a 25 M model's start-up on a CPU), else
+    measured now and stored. A backend without a device fingerprint is measured every time."""
+    fingerprint = backend.device_fingerprint()
+    if fingerprint is None:
+        return measure_execution_costs(backend, **shape)
+    cache = ProbeCache(data_root)
+    key = cache.key(fingerprint, shape)
+    costs = cache.get(key)
+    if costs is None:
+        costs = measure_execution_costs(backend, **shape)
+        cache.put(key, costs)
+    return costs

@@ -7,7 +7,8 @@ units of at most `slice_tokens` tokens (= the quantum), so a small request waits
 Tenants that were idle are served first for one quantum (FQ-CoDel's sparse-flow rule), which keeps
 latency low for small, interactive tenants without letting anyone exceed its share per round.
 
-Jobs are plain callables run on one worker thread (torch work must not interleave on a replica).
+Queued calls are plain callables run on one worker thread (torch work must not interleave on a
+replica).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ FIXED_COST = 64
 
 
 @dataclass
-class Job:
+class QueuedCall:
+    """One tenant's compute call in the queue: what it costs and where its result goes."""
+
     tenant: str
     model_id: str
     cost: int
@@ -53,13 +56,13 @@ class FairScheduler:
         # Active tenants in round-robin order: recently idle ("new") ones are served first.
         # A tenant whose queue ran empty keeps its place until its next turn, so a tenant that
         # immediately sends its next slice does not count as new.
-        self._new: OrderedDict[str, deque[Job]] = OrderedDict()
-        self._old: OrderedDict[str, deque[Job]] = OrderedDict()
+        self._new: OrderedDict[str, deque[QueuedCall]] = OrderedDict()
+        self._old: OrderedDict[str, deque[QueuedCall]] = OrderedDict()
         self._deficit: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._worker: asyncio.Task | None = None
-        self.running: Job | None = None
+        self.running: QueuedCall | None = None
         self.completed = 0
         #: when set, ready fusable jobs of several tenants run as one call: fuse_fn(items) returns
         #: one result or exception per item. None = always one job at a time.
@@ -67,7 +70,7 @@ class FairScheduler:
         self.fuse_max_jobs = 8
         self.fused_batches = 0
         #: called on the event loop with each job as it starts (queue-wait metrics), or None
-        self.on_start: Callable[[Job], None] | None = None
+        self.on_start: Callable[[QueuedCall], None] | None = None
 
     def call_on_compute_thread(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the compute thread now and return its result (for a replica's start-up:
@@ -90,7 +93,7 @@ class FairScheduler:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.get_running_loop().create_task(self._loop())
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        job = Job(tenant, model_id, max(int(cost), 1), fn, fut, label, fuse_item)
+        job = QueuedCall(tenant, model_id, max(int(cost), 1), fn, fut, label, fuse_item)
         if tenant in self._new:
             self._new[tenant].append(job)
         elif tenant in self._old:
@@ -101,7 +104,7 @@ class FairScheduler:
         self._wake.set()
         return await fut
 
-    def _pick(self) -> Job | None:
+    def _pick(self) -> QueuedCall | None:
         while self._new or self._old:
             flows = self._new if self._new else self._old
             tenant, queue = next(iter(flows.items()))
@@ -121,7 +124,7 @@ class FairScheduler:
             self._old[tenant] = queue
         return None
 
-    def _companions(self, first: Job) -> list[Job]:
+    def _companions(self, first: QueuedCall) -> list[QueuedCall]:
         """Other tenants' ready fusable jobs to run with ``first``. They are charged their cost
         now (their credit may go negative), so fusing never buys a tenant more than its share."""
         batch, models = [first], {first.model_id}
@@ -143,7 +146,7 @@ class FairScheduler:
                 cost += head.cost
         return batch
 
-    async def _run_fused(self, loop: asyncio.AbstractEventLoop, batch: list[Job]) -> None:
+    async def _run_fused(self, loop: asyncio.AbstractEventLoop, batch: list[QueuedCall]) -> None:
         fuse_fn = self.fuse_fn
         assert fuse_fn is not None  # the worker fuses only while fuse_fn is set
         try:
@@ -215,6 +218,18 @@ class FairScheduler:
                         return ahead, total
                     ahead += 1
         return None
+
+    def describe(self, model_id: str) -> str | None:
+        """What this model's compute is doing: running (and which job), queued (behind how many
+        jobs), or None when it has nothing here."""
+        running = self.running
+        if running is not None and running.model_id == model_id:
+            return f"running ({running.label})"
+        pos = self.position(model_id)
+        if pos is None:
+            return None
+        ahead, total = pos
+        return f"queued for compute: {ahead} of {total} queued jobs run first"
 
     def backlog(self) -> tuple[int, float | None]:
         """(jobs queued, ``enqueued`` time of the oldest queue head or None). Safe to call from

@@ -91,6 +91,22 @@ class MetricsExporter:
         self._server.server_close()
 
 
+class ServesMetrics:
+    """A replica (Trainer, Sampler) that may serve its metrics: its endpoint and target file go
+    when the replica does (Ray Serve drops the replica object when it shuts the replica down)."""
+
+    _exporter: MetricsExporter | None = None
+
+    def _close_exporter(self) -> None:
+        """Stop serving metrics (idempotent)."""
+        exporter, self._exporter = self._exporter, None
+        if exporter is not None:
+            exporter.close()
+
+    def __del__(self) -> None:
+        self._close_exporter()
+
+
 def export_replica_metrics(
     role: str, model: str, data_dir: str | Path, options: dict, state
 ) -> tuple[ReplicaMetrics, MetricsExporter | None]:

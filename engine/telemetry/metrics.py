@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -217,9 +217,17 @@ class _StateCollector(Collector):
         c.add_metric(self._ids, value)
         return c
 
+    def _by_label(
+        self, name: str, doc: str, label: str, values: Mapping[str, float]
+    ) -> GaugeMetricFamily:
+        """One gauge with a value per ``label`` value (in the order given)."""
+        g = GaugeMetricFamily(name, doc, labels=["model", "replica", "role", label])
+        for key, value in values.items():
+            g.add_metric([*self._ids, key], value)
+        return g
+
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._state()
-        labels = ["model", "replica", "role"]
         yield self._gauge(
             "twinkle_engine_queue_depth", "Requests or jobs queued for compute", s.queue_depth
         )
@@ -229,14 +237,12 @@ class _StateCollector(Collector):
             "How long the oldest queued work has waited so far (0 when nothing is queued)",
             max(oldest, 0.0),
         )
-        adapters = GaugeMetricFamily(
+        yield self._by_label(
             "twinkle_engine_adapters",
             "Adapters on this replica by state: resident / offloaded (Trainer), loaded (Sampler)",
-            labels=[*labels, "state"],
+            "state",
+            dict(sorted(s.adapters.items())),
         )
-        for state, n in sorted(s.adapters.items()):
-            adapters.add_metric([*self._ids, state], n)
-        yield adapters
         yield self._counter(
             "twinkle_engine_adapter_offloads",
             "Adapters moved out of memory: Trainer offloads to disk, Sampler cache evictions",
@@ -249,18 +255,20 @@ class _StateCollector(Collector):
             s.reloads,
         )
         if s.execution_mode is not None:
-            mode = GaugeMetricFamily(
+            yield self._by_label(
                 "twinkle_trainer_execution_mode",
                 "1 for the execution mode in use (fused multi-adapter batches or sequential)",
-                labels=[*labels, "mode"],
+                "mode",
+                {m: 1.0 if s.execution_mode == m else 0.0 for m in ("fused", "sequential")},
             )
-            for m in ("fused", "sequential"):
-                mode.add_metric([*self._ids, m], 1.0 if s.execution_mode == m else 0.0)
-            yield mode
         for name, value in s.counters.items():
             yield self._counter(name, EXTRA_COUNTERS[name], value)
         for name, value in s.gauges.items():
             yield self._gauge(name, EXTRA_GAUGES[name], value)
+        yield from self._process()
+
+    def _process(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The replica process's memory and CPU time, and the GPU memory torch holds in it."""
         yield self._gauge(
             "twinkle_engine_process_resident_bytes",
             "Resident memory of the replica process",
@@ -274,11 +282,9 @@ class _StateCollector(Collector):
         )
         gpu = _gpu_memory()
         if gpu:
-            fam = GaugeMetricFamily(
+            yield self._by_label(
                 "twinkle_engine_gpu_memory_bytes",
                 "GPU memory held by torch in this replica (allocated, reserved)",
-                labels=[*labels, "kind"],
+                "kind",
+                gpu,
             )
-            for kind, v in gpu.items():
-                fam.add_metric([*self._ids, kind], v)
-            yield fam

@@ -159,15 +159,3 @@ def key_json(row: ApiKeyRow, user: UserRow | None = None) -> dict:
         "expires_at": iso(row.expires_at),
         "revoked_at": iso(row.revoked_at),
     }
-
-
-def create_user_and_key(
-    session: Session, *, user_name: str, admin: bool, org_name: str | None = None
-) -> str:
-    """Create user ``user_name`` (in organization ``org_name``, default "default") if missing,
-    add a key (scope "admin" if ``admin`` else "user"), and return the plaintext key; this is the
-    only time it exists."""
-    user = ensure_user(session, user_name, org_name=org_name, admin=admin)
-    assert user.id is not None
-    key, _row = create_key(session, user.id, scope=SCOPE_ADMIN if admin else SCOPE_USER)
-    return key

@@ -74,7 +74,7 @@ DRAIN_POLL_S = 0.5
 DRAIN_REPORT_S = 0.1
 #: after the last in-flight future finished, how long the driver keeps the gateway up at most so
 #: clients collect finished results they have not retrieved yet (a long poll answers within
-#: milliseconds); with none left to collect it stops at once (it used to wait all 2 s)
+#: milliseconds); with none left to collect it stops at once instead of waiting all 2 s
 DRAIN_COLLECT_S = 2.0
 #: Ray gives the head node (only) 1 unit of node:__internal_head__; a sliver of it keeps the
 #: gateway where the head is (Ray Train pins its state actor the same way)
@@ -250,11 +250,12 @@ def _quiet_controller(interval_s: float) -> None:
     log.info("Serve's controller: a full reconcile every %gs while Serve is quiet", interval_s)
 
 
-def serve_main(config_path: str | None, host: str | None, port: int | None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    _prepare_env()
+def _preflight(
+    config_path: str | None, host: str | None, port: int | None
+) -> tuple[ServerConfig, Settings, str | None]:
+    """Everything checked before Ray starts: the config, the shared state and profile, the port
+    (a private cluster only), the database at head, the model folders. Returns the config, the
+    settings and the Ray address to join (None: start a private cluster)."""
     config = ServerConfig.from_yaml(config_path) if config_path else ServerConfig()
     if host is not None:
         config.host = host
@@ -264,8 +265,9 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
     check_replicas_share_state(settings.redis_url, config)
     check_profile(settings.database_url, settings.redis_url, config)
     address = config.ray.address or os.environ.get("RAY_ADDRESS") or None
-    local = not address or address == "local"  # Ray's own spelling of "start a private one"
-    if local:  # the gateway will listen here: fail fast
+    if address == "local":  # Ray's own spelling of "start a private one"
+        address = None
+    if address is None:  # the gateway will listen here: fail fast
         from engine.errors import ConfigError
         from gateway.direct_http import PortInUseError, check_port_free
 
@@ -284,10 +286,79 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
         upgrade_to_head(settings.database_url)  # one at a time (an advisory lock)
     for m in config.models:  # build/verify model folders once, before replicas race for them
         resolve_model_dir(m.name, str(settings.data_dir), m.path)
+    return config, settings, address
+
+
+def _start_ray(config: ServerConfig, address: str | None) -> None:
+    """Join the cluster at ``address``, or start a private one sized by the config."""
+    import ray
+
+    if address is not None:
+        ray.init(address=address, logging_level=logging.ERROR)
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in alive)
+        print(f"Joined the Ray cluster at {address}: {len(alive)} node(s), {cpus:g} CPUs")
+        return
+    _quiet_controller(config.ray.serve_quiet_loop_s)
+    # "local", not None: with None, Ray would join whatever cluster `ray start` last recorded
+    # in /tmp/ray/ray_current_cluster (another user's, or a dead one) instead of our own.
+    ray.init(
+        address="local",
+        num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, 4),
+        include_dashboard=False,
+        object_store_memory=config.ray.object_store_memory_mb * 1024 * 1024,
+        logging_level=logging.ERROR,
+    )
+
+
+def _deploy(config: ServerConfig, settings: Settings) -> None:
+    """Start Serve (its proxy, or none with direct ingress) and run the gateway application,
+    which binds the engine's Trainer and Sampler deployments."""
+    from engine.app import engine_apps
+
+    _clear_drain_keys()
+    if config.gateway.direct_ingress():
+        # The gateway replicas (on the head) listen themselves; no Serve proxy anywhere.
+        serve.start(proxy_location="Disabled")
+    else:
+        # One HTTP proxy, on the head, with the gateway: worker nodes only run
+        # Trainers/Samplers (and two nodes on one host would both want the port).
+        serve.start(
+            proxy_location="HeadOnly",
+            http_options={"host": config.host, "port": config.port},
+        )
+    app = gateway_deployment(config).bind(
+        settings.model_dump(mode="json"),
+        config.model_dump(mode="json"),
+        engine_apps(config, str(settings.data_dir)),
+    )
+    serve.run(
+        app,
+        name=APP_NAME,
+        route_prefix=None if config.gateway.direct_ingress() else "/",
+        blocking=False,
+    )
+
+
+def _wait(stop: threading.Event, nice: int) -> None:
+    """Until a signal: keep Ray's housekeeping processes at ``nice``."""
+    ticks = 0
+    while not stop.wait(0.5):
+        ticks += 1
+        if ticks % 60 == 0:  # every 30 s: a restarted controller or agent starts at nice 0
+            lower_housekeeping(os.getpid(), nice)
+
+
+def serve_main(config_path: str | None, host: str | None, port: int | None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    _prepare_env()
+    config, settings, address = _preflight(config_path, host, port)
 
     import ray
 
-    from engine.app import engine_apps
+    import engine.app  # noqa: F401 - the engine (torch) loads before Ray starts and the clock runs
 
     stop = threading.Event()
 
@@ -302,48 +373,14 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
 
     install_handlers()
     t0 = time.monotonic()
-    if not local:
-        ray.init(address=address, logging_level=logging.ERROR)
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        cpus = sum(n.get("Resources", {}).get("CPU", 0) for n in alive)
-        print(f"Joined the Ray cluster at {address}: {len(alive)} node(s), {cpus:g} CPUs")
-    else:
-        _quiet_controller(config.ray.serve_quiet_loop_s)
-        # "local", not None: with None, Ray would join whatever cluster `ray start` last recorded
-        # in /tmp/ray/ray_current_cluster (another user's, or a dead one) instead of our own.
-        ray.init(
-            address="local",
-            num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, 4),
-            include_dashboard=False,
-            object_store_memory=config.ray.object_store_memory_mb * 1024 * 1024,
-            logging_level=logging.ERROR,
-        )
+    _start_ray(config, address)
     install_handlers()
     try:
-        _clear_drain_keys()
-        if config.gateway.direct_ingress():
-            # The gateway replicas (on the head) listen themselves; no Serve proxy anywhere.
-            serve.start(proxy_location="Disabled")
-        else:
-            # One HTTP proxy, on the head, with the gateway: worker nodes only run
-            # Trainers/Samplers (and two nodes on one host would both want the port).
-            serve.start(
-                proxy_location="HeadOnly",
-                http_options={"host": config.host, "port": config.port},
-            )
-        app = gateway_deployment(config).bind(
-            settings.model_dump(mode="json"),
-            config.model_dump(mode="json"),
-            engine_apps(config, str(settings.data_dir)),
-        )
-        serve.run(
-            app,
-            name=APP_NAME,
-            route_prefix=None if config.gateway.direct_ingress() else "/",
-            blocking=False,
-        )
+        _deploy(config, settings)
         install_handlers()
-        nice = config.ray.housekeeping_nice if local else 0  # a joined cluster is not ours
+        nice = (
+            config.ray.housekeeping_nice if address is None else 0
+        )  # a joined cluster is not ours
         lowered = lower_housekeeping(os.getpid(), nice)
         log.info("housekeeping at nice %d: %s", nice, ", ".join(lowered) or "none")
         print(
@@ -352,11 +389,7 @@ def serve_main(config_path: str | None, host: str | None, port: int | None) -> i
             f"data: {settings.data_dir}; started in {time.monotonic() - t0:.1f}s)",
             flush=True,
         )
-        ticks = 0
-        while not stop.wait(0.5):
-            ticks += 1
-            if ticks % 60 == 0:  # every 30 s: a restarted controller or agent starts at nice 0
-                lower_housekeeping(os.getpid(), nice)
+        _wait(stop, nice)
         print("Twinkle draining...", flush=True)
         _drain(config)
         print("Twinkle shutting down...", flush=True)

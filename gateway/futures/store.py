@@ -272,8 +272,8 @@ class FutureStore:
     ) -> FutureRecord:
         """Create a future and start ``run`` in the background. With ``claim`` (from `claim`), the
         future is the one of the claimed key. Shared mode: returns once the pending record is in
-        the shared KV (one SET), so a retrieve_future another replica answers finds it; in CI
-        (stop 35) a poll that reached the other replica before this write was answered 404."""
+        the shared KV (one SET), so a retrieve_future another replica answers finds it (a poll
+        that reached the other replica before this write would be answered 404)."""
         self._expire()
         if claim is not None:
             idem_key, fp = claim.key, claim.fp

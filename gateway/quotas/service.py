@@ -347,7 +347,7 @@ def build_quotas(config: ServerConfig, db_engine: Engine, redis_url: str | None)
     `gateway.config.effective_redis_url`), else in process. Quota names were validated with the
     config."""
     defaults = dict(config.gateway.default_user_quotas)
-    # The older top-level knob stays the per-user default for concurrent sampling requests.
+    # The top-level knob is the per-user default for concurrent sampling requests.
     if config.max_concurrent_samples_per_user and "max_concurrent_samples" not in defaults:
         defaults["max_concurrent_samples"] = config.max_concurrent_samples_per_user
     store = RedisQuotaStore(redis_url) if redis_url else MemoryQuotaStore()

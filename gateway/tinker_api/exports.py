@@ -157,8 +157,8 @@ async def download_external_weights(
     if row is None or row.kind != "external" or filename not in export_files(row):
         raise NotFoundError("download: no such file")
     good = _signature(secrets.url_signing, row, filename, expires)
-    # bytes: compare_digest refuses str with non-ASCII characters (TypeError: a 500, found by
-    # fuzzing the query string)
+    # bytes: compare_digest refuses str with non-ASCII characters (a TypeError, so a 500, on a
+    # query string with any)
     if not hmac.compare_digest(good.encode(), sig.encode("utf-8", "surrogatepass")):
         raise PermissionDeniedError("download: the URL's signature does not match")
     if expires < time.time():

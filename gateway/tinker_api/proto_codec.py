@@ -26,7 +26,7 @@ from gateway.tinker_api.wire_pb import pb
 
 #: a sparse tensor is expanded to dense here; its declared shape, not its bytes, sets the size, so
 #: it is bounded: 2**24 elements (64 MiB of float32) is far above any real [N, K] input (a
-#: 32k-token context with K = 64 is 2**21). Found by fuzzing: [1, 2**40] was a MemoryError (500).
+#: 32k-token context with K = 64 is 2**21); a shape like [1, 2**40] would be a MemoryError (500).
 MAX_SPARSE_ELEMENTS = 2**24
 
 _DTYPES = {

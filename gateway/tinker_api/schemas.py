@@ -28,7 +28,7 @@ class CreateSessionRequest(WireRequest):
     tags: list[str] = Field(default_factory=list)
     user_metadata: dict[str, Any] | None = None
     sdk_version: str | None = None
-    # the columns' lengths (Postgres enforces them: a longer one was a 500)
+    # the columns' lengths (Postgres enforces them: a longer one would be a 500)
     project_id: str | None = Field(default=None, max_length=128)
     display_name: str | None = Field(default=None, max_length=256)
 

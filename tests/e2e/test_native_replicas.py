@@ -37,12 +37,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from engine.base_models.registry import resolve_model_dir  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
-from gateway.accounts.service import create_user_and_key  # noqa: E402
 from gateway.config import ServerConfig  # noqa: E402
 from gateway.db import make_engine, session_scope, upgrade_to_head  # noqa: E402
 from gateway.engine_client import EngineClient  # noqa: E402
 from gateway.main import create_app  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
+from tests.factories import create_user_and_key  # noqa: E402
 from tests.twinkle_scripts import BASE, hf_data, roll, sft_script  # noqa: E402
 
 pytestmark = pytest.mark.e2e

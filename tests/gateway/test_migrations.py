@@ -224,8 +224,8 @@ def test_alembic_cli_from_repo_root(tmp_path: Path) -> None:
 
 def test_in_memory_engine_can_be_migrated_and_used() -> None:
     from gateway.accounts.keys import authenticate
-    from gateway.accounts.service import create_user_and_key
     from gateway.db import session_scope
+    from tests.factories import create_user_and_key
 
     engine = make_engine("sqlite://")
     try:

@@ -1,14 +1,17 @@
 """Shared by the MultiLoraTransformersModel tests (tests/unit/test_model_api_*.py): texts, LoRA
-config, HF-style datums, parameter snapshots."""
+config, HF-style datums, parameter snapshots, inputs converted to datums."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.backends.lora import adapter_parameters
+from engine.local.inputs import convert
 from engine.local.model import MultiLoraTransformersModel
+from engine.protocol import DatumInput
 
 TEXTS = [
     "User: what is 12 plus 13? Assistant: 25.",
@@ -51,3 +54,8 @@ def assert_params_close(a: dict, b: dict, atol: float | None = None) -> None:
     bound = 8e-6 * scale if atol is None else atol
     diff = max(float((v - b[k]).abs().max()) for k, v in a.items())
     assert diff <= bound, (diff, bound, scale)
+
+
+def to_datums(inputs: Any, label_format: str = "rolled") -> list[DatumInput]:
+    """The datums the model converts ``inputs`` to (`engine.local.inputs.convert`)."""
+    return convert(inputs, label_format).data

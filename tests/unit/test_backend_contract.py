@@ -26,7 +26,8 @@ CALLERS = (
 
 
 def _concrete() -> list[tuple[type, type]]:
-    from engine.backends.mock import MockSamplingBackend, MockTrainingBackend
+    from engine.backends.mock import MockTrainingBackend
+    from engine.backends.mock_sampling import MockSamplingBackend
     from engine.backends.sample_torch import TorchSamplingBackend
     from engine.backends.sample_vllm import VllmSamplingBackend  # vllm itself is imported lazily
     from engine.backends.train_transformers import TransformersTrainingBackend

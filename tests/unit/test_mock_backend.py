@@ -12,12 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.backends.mock import (
-    MOCK_EMBEDDING_LOSSES,
-    MOCK_LOSSES,
-    MockSamplingBackend,
-    MockTrainingBackend,
-)
+from engine.backends.mock import MOCK_EMBEDDING_LOSSES, MOCK_LOSSES, MockTrainingBackend
+from engine.backends.mock_sampling import MockSamplingBackend
 from engine.errors import AdapterNotFoundError, CheckpointError, UserInputError
 from engine.protocol import (
     AdamParams,
@@ -229,7 +225,8 @@ def test_determinism_across_processes(tmp_path: Path) -> None:
     no clock): same operations, same files, same tokens."""
     code = """
 import sys, numpy as np
-from engine.backends.mock import MockSamplingBackend, MockTrainingBackend
+from engine.backends.mock import MockTrainingBackend
+from engine.backends.mock_sampling import MockSamplingBackend
 from engine.protocol import AdamParams, DatumInput, ForwardBackwardInput, LoraSpec, SampleInput
 be = MockTrainingBackend()
 be.create_adapter("a", LoraSpec(rank=8, seed=3))

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from engine.errors import AdapterNotFoundError, UserInputError
-from engine.local.inputs import to_datums
 from engine.local.model import MultiLoraTransformersModel
 from engine.protocol import DatumInput
 from tests.unit.model_api_helpers import (
@@ -19,6 +18,7 @@ from tests.unit.model_api_helpers import (
     TEXTS,
     hf,
     new_model,
+    to_datums,
 )
 
 

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from engine.errors import UserInputError
-from engine.local.inputs import to_datums
 from engine.protocol import DatumInput, ForwardBackwardInput
-from tests.unit.model_api_helpers import LORA, TEXTS, new_model
+from tests.unit.model_api_helpers import LORA, TEXTS, new_model, to_datums
 
 LN2 = math.log(2.0)
 

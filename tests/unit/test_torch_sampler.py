@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.backends.sample_torch import TorchSamplingBackend, _filter_logits
+from engine.backends.sample_decode import filter_logits
+from engine.backends.sample_torch import TorchSamplingBackend
 from engine.errors import CheckpointError, UserInputError
 from engine.protocol import (
     SampleInput,
@@ -108,29 +109,29 @@ def test_seeded_sampling_reproduces(sampler, perturbed_adapter) -> None:
         assert got.sequences[0].tokens == greedy
 
 
-def test_filter_logits() -> None:
+def testfilter_logits() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
 
     def keep(x):
         return torch.isfinite(x).tolist()
 
-    assert keep(_filter_logits(logits, 3, 1.0)) == [
+    assert keep(filter_logits(logits, 3, 1.0)) == [
         [True, True, True, False],
         [False, True, True, True],
     ]
-    assert keep(_filter_logits(logits, -1, 0.75)) == [
+    assert keep(filter_logits(logits, -1, 0.75)) == [
         [True, True, False, False],
         [False, False, True, True],
     ]
-    assert keep(_filter_logits(logits, -1, 0.4)) == [
+    assert keep(filter_logits(logits, -1, 0.4)) == [
         [True, False, False, False],
         [False, False, False, True],
     ]
-    assert keep(_filter_logits(logits, 2, 0.95)) == [
+    assert keep(filter_logits(logits, 2, 0.95)) == [
         [True, True, False, False],
         [False, False, True, True],
     ]
-    torch.testing.assert_close(_filter_logits(logits, -1, 1.0), logits)
+    torch.testing.assert_close(filter_logits(logits, -1, 1.0), logits)
 
 
 def test_stop_strings_and_stop_tokens_cut_exactly(sampler, perturbed_adapter) -> None:

@@ -18,20 +18,15 @@ import numpy as np
 import torch
 
 from engine.backends import checkpoint_io as ckpt
-from engine.backends.age_seal import age_sealer, plain
+from engine.backends.adapter_table import AdapterTable
+from engine.backends.age_seal import export_sealer
 from engine.backends.lora import target_module_names
 from engine.backends.peft_files import (
     read_adapter_config,
     read_adapter_tensors,
     write_adapter_files,
 )
-from engine.backends.train_common import (
-    AdapterState,
-    check_reload,
-    check_spec,
-    finish_load,
-    new_optimizer,
-)
+from engine.backends.train_common import TrainableAdapter, finish_load, new_optimizer
 from engine.errors import CheckpointError, EngineError
 from engine.protocol import LoraSpec
 
@@ -39,7 +34,7 @@ if TYPE_CHECKING:
     from engine.backends.megatron.multi_lora import MegatronMultiLora
 
 
-class WorkerCheckpoints:
+class WorkerCheckpoints(AdapterTable):
     """Mixed into `MegatronWorker`, whose attributes and adapter methods it uses."""
 
     lora: MegatronMultiLora
@@ -51,13 +46,6 @@ class WorkerCheckpoints:
     max_lora_rank: int
     base_model_name: str
     _ps: Any
-    _adapters: dict[str, AdapterState]
-
-    if TYPE_CHECKING:  # MegatronWorker's adapter methods
-
-        def _get(self, adapter_id: str) -> AdapterState: ...
-        def _create(self, adapter_id: str, spec: LoraSpec) -> AdapterState: ...
-        def delete_adapter(self, adapter_id: str) -> None: ...
 
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full PEFT tensors from every rank's shards (collective); complete on rank 0."""
@@ -99,37 +87,13 @@ class WorkerCheckpoints:
         age_recipients: Sequence[str] = (),
     ) -> int:
         st = self._get(adapter_id)
-        seal = age_sealer(age_recipients) or plain  # checked on every rank: the same error
+        seal = export_sealer(age_recipients)  # checked on every rank: the same error
         target = Path(directory)
         if target.exists():  # checked on every rank before any collective (one host's disk)
             raise CheckpointError(f"checkpoint directory {target} already exists")
         names = self.lora.full_names(st.spec)
         weights = self._full(dict(st.params))
-        opt_state = None
-        if include_optimizer:
-            local = ckpt.optimizer_state_by_name(list(st.params), st.optimizer)
-            moments = {
-                f"{key}\0{name}": value
-                for name, state in local["state"].items()
-                for key, value in state.items()
-                if key in ("exp_avg", "exp_avg_sq")
-            }
-            full = self._full_moments(moments)
-            steps = {n: s["step"] for n, s in local["state"].items()}
-            opt_state = {
-                "format": local["format"],
-                "state": {
-                    n: {"step": steps.get(n, torch.tensor(float(st.step)))}
-                    | {
-                        k: full[f"{k}\0{n}"]
-                        for k in ("exp_avg", "exp_avg_sq")
-                        if f"{k}\0{n}" in full
-                    }
-                    for n in names
-                    if f"exp_avg\0{n}" in full
-                },
-                "param_groups": [{**g, "params": list(names)} for g in local["param_groups"]],
-            }
+        opt_state = self._full_optimizer_state(st, names) if include_optimizer else None
         targets = target_module_names(st.spec)
 
         def write() -> int:
@@ -151,6 +115,29 @@ class WorkerCheckpoints:
             return ckpt.write_checkpoint_dir(target, fill)
 
         return int(self._on_rank0(write))  # type: ignore[arg-type]
+
+    def _full_optimizer_state(self, st: TrainableAdapter, names: list[str]) -> dict:
+        """The adapter's AdamW state by full PEFT name (collective: moments gathered like their
+        parameters); a parameter without a step of its own gets the adapter's step count."""
+        local = ckpt.optimizer_state_by_name(list(st.params), st.optimizer)
+        moments = {
+            f"{key}\0{name}": value
+            for name, state in local["state"].items()
+            for key, value in state.items()
+            if key in ("exp_avg", "exp_avg_sq")
+        }
+        full = self._full_moments(moments)
+        steps = {n: s["step"] for n, s in local["state"].items()}
+        return {
+            "format": local["format"],
+            "state": {
+                n: {"step": steps.get(n, torch.tensor(float(st.step)))}
+                | {k: full[f"{k}\0{n}"] for k in ("exp_avg", "exp_avg_sq") if f"{k}\0{n}" in full}
+                for n in names
+                if f"exp_avg\0{n}" in full
+            },
+            "param_groups": [{**g, "params": list(names)} for g in local["param_groups"]],
+        }
 
     def _full_moments(self, moments: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`_full` for optimizer moments keyed ``"<moment>\\0<peft name>"`` (same slicing as the
@@ -174,13 +161,7 @@ class WorkerCheckpoints:
             ckpt.read_optimizer(path, files, torch.device("cpu")) if include_optimizer else None
         )
         tensors = read_adapter_tensors(path, self.lora.full_shapes(spec))
-        created = adapter_id not in self._adapters
-        if created:
-            check_spec(spec, self.max_lora_rank, self.base_model_name, CheckpointError)
-            st = self._create(adapter_id, spec)
-        else:
-            st = self._adapters[adapter_id]
-            check_reload(st, spec, adapter_id, path)
+        st, created = self._for_load(adapter_id, spec, path)
         try:
             optimizer = new_optimizer(st.params)
             if saved_opt is not None:

@@ -24,7 +24,7 @@ def transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     # "selective" recomputes core attention only, which holds no LoRA hook; "full" would re-run
-    # the hooked linears outside their routing context (engine/config.py refuses it).
+    # the hooked linears outside their routing context (engine/config refuses it).
     return TransformerConfig(
         recompute_granularity="selective" if recompute == "selective" else None,
         num_layers=arch.num_layers,

@@ -27,9 +27,9 @@ from itertools import groupby
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.backends import custom_loss, losses
-from engine.backends.base import GradOp, check_grad_op
 from engine.backends.megatron import compat
 from engine.backends.megatron.arch import read_arch
 from engine.backends.megatron.checkpoints import WorkerCheckpoints
@@ -37,23 +37,15 @@ from engine.backends.megatron.model import causal_mask, load_base
 from engine.backends.megatron.multi_lora import MegatronMultiLora, Segment
 from engine.backends.train_batching import micro_batches, pad_rows, validate_request
 from engine.backends.train_common import (
-    AdapterState,
-    Job,
-    adam_step,
-    check_adam,
+    AdapterPass,
+    TrainableAdapter,
     check_spec,
     device_fingerprint,
-    new_optimizer,
-    require_grad,
-    run_fused,
 )
-from engine.errors import AdapterNotFoundError, EngineError, UserInputError
+from engine.errors import UserInputError
 from engine.protocol import (
-    AdamParams,
     ForwardBackwardInput,
-    ForwardBackwardOutput,
     LoraSpec,
-    OptimStepOutput,
 )
 
 Row = tuple[int, int]  # (job index, datum index)
@@ -121,7 +113,7 @@ class MegatronWorker(WorkerCheckpoints):
         self.base_model_name = base_model_name or str(model_dir)
         self.pad_id = _pad_id(model_dir)
         self.max_batch_tokens = int(micro_batch_tokens)
-        self._adapters: dict[str, AdapterState] = {}
+        self._adapters: dict[str, TrainableAdapter] = {}
         # Keeps a stage's output in the autograd graph when no adapter parameter of this stage
         # is (an lm_head-only adapter, disable_lora rows): megatron's backward needs a graph.
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
@@ -131,46 +123,15 @@ class MegatronWorker(WorkerCheckpoints):
 
     # ------------------------------------------------------------------------------- adapters
 
-    def _get(self, adapter_id: str) -> AdapterState:
-        try:
-            return self._adapters[adapter_id]
-        except KeyError:
-            raise AdapterNotFoundError(f"adapter {adapter_id!r} is not loaded") from None
-
-    def _create(self, adapter_id: str, spec: LoraSpec) -> AdapterState:
+    def _attach(self, adapter_id: str, spec: LoraSpec) -> dict[str, nn.Parameter]:
         self.lora.add_adapter(adapter_id, spec, device=self.device)
-        params = self.lora.parameters(adapter_id)
-        st = AdapterState(spec=spec, params=params, optimizer=new_optimizer(params))
-        self._adapters[adapter_id] = st
-        return st
+        return self.lora.parameters(adapter_id)
 
-    def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
-        if not isinstance(adapter_id, str) or not adapter_id:
-            raise UserInputError("adapter_id: must be a non-empty string")
-        if adapter_id in self._adapters:
-            raise UserInputError(
-                f"adapter_id {adapter_id!r}: an adapter with this id exists already"
-            )
-        check_spec(spec, self.max_lora_rank, self.base_model_name, UserInputError)
-        self._create(adapter_id, spec)
+    def _detach(self, adapter_id: str) -> None:
+        self.lora.remove_adapter(adapter_id)
 
-    def has_adapter(self, adapter_id: str) -> bool:
-        return adapter_id in self._adapters
-
-    def delete_adapter(self, adapter_id: str) -> None:
-        if self._adapters.pop(adapter_id, None) is not None:
-            self.lora.remove_adapter(adapter_id)
-
-    def adapter_spec(self, adapter_id: str) -> LoraSpec:
-        return self._get(adapter_id).spec
-
-    def has_pending_grad(self, adapter_id: str) -> bool:
-        st = self._adapters.get(adapter_id)
-        return bool(st is not None and st.has_grad)
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":  # CUDA launches are asynchronous; CPU ops are not
-            torch.cuda.synchronize(self.device)
+    def _check_spec(self, spec: LoraSpec, error: type[Exception]) -> None:
+        check_spec(spec, self.max_lora_rank, self.base_model_name, error)
 
     def device_fingerprint(self) -> dict:
         """This rank's device and numerics; the split (tp x pp) and the micro-batch size change
@@ -189,23 +150,13 @@ class MegatronWorker(WorkerCheckpoints):
                 "Megatron backend; serve this model with backend 'transformers'"
             )
 
-    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> Job:
+    def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> AdapterPass:
         self._get(adapter_id)
         self.validate_input(inp)
         req = validate_request(inp, self.vocab_size, self.max_positions)
-        return Job(slot, adapter_id, req, outputs=[{} for _ in req.data])
+        return AdapterPass(slot, adapter_id, req, outputs=[{} for _ in req.data])
 
-    def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
-        job = self._prepare(0, adapter_id, inp)
-        self._execute([job], grad=not job.req.forward_only)
-        return job.result()
-
-    def forward_backward_many(
-        self, items: Sequence[tuple[str, ForwardBackwardInput]]
-    ) -> list[ForwardBackwardOutput | EngineError]:
-        return run_fused(items, self._prepare, self._execute)
-
-    def _execute(self, jobs: list[Job], *, grad: bool) -> None:
+    def _execute(self, jobs: list[AdapterPass], *, grad: bool) -> None:
         """Run ``jobs`` (distinct adapters) as micro-batches through megatron's schedule; with
         ``grad``, add each loss's gradient to its adapter's (all or nothing)."""
         units = [(j, u) for j, job in enumerate(jobs) for u in job.req.units]
@@ -243,7 +194,7 @@ class MegatronWorker(WorkerCheckpoints):
             for j in jobs:
                 self._get(j.adapter_id).has_grad = True
 
-    def _micro_batch(self, jobs: list[Job], rows: list[Row], *, lora: bool) -> _MicroBatch:
+    def _micro_batch(self, jobs: list[AdapterPass], rows: list[Row], *, lora: bool) -> _MicroBatch:
         datums = [jobs[j].req.data[i] for j, i in rows]
         ids, _, targets = pad_rows(datums, self.pad_id, self.device)
         segments: list[Segment] = []
@@ -255,7 +206,7 @@ class MegatronWorker(WorkerCheckpoints):
             start += n
         return _MicroBatch(rows, ids, targets, segments)
 
-    def _reference_logprobs(self, jobs: list[Job], batches: list[list[Row]]):
+    def _reference_logprobs(self, jobs: list[AdapterPass], batches: list[list[Row]]):
         """The base model's logprobs of DPO rows without given ``ref_logprobs`` (no gradient;
         one forward-only pass of their own), by row; filled on the last stage only."""
         need = [
@@ -285,7 +236,9 @@ class MegatronWorker(WorkerCheckpoints):
             )
         return refs
 
-    def _losses(self, jobs: list[Job], mb: _MicroBatch, lp: torch.Tensor, refs) -> torch.Tensor:
+    def _losses(
+        self, jobs: list[AdapterPass], mb: _MicroBatch, lp: torch.Tensor, refs
+    ) -> torch.Tensor:
         """Sum of the losses of the jobs' rows in ``mb`` (last stage), outputs written."""
         total = lp.new_zeros(())
         start = 0
@@ -379,7 +332,7 @@ class MegatronWorker(WorkerCheckpoints):
             out.append(_MicroBatch(mb.rows, ids, tgt, mb.segments))  # extra rows: no segment
         return out
 
-    def _broadcast_results(self, jobs: list[Job]) -> None:
+    def _broadcast_results(self, jobs: list[AdapterPass]) -> None:
         """The last stage computed the outputs and metrics: every rank returns them."""
         if self.pp == 1:
             return
@@ -391,7 +344,7 @@ class MegatronWorker(WorkerCheckpoints):
 
     # ------------------------------------------------------------------------------- optimizer
 
-    def _grad_norm(self, st: AdapterState, grads: Sequence[torch.Tensor | None]) -> float:
+    def _grad_norm(self, st: TrainableAdapter, grads: Sequence[torch.Tensor | None]) -> float:
         """Global L2 norm of the adapter's gradient over every rank: a sharded tensor's square
         sum is added by each TP rank (its own slice), a replicated one only by TP rank 0."""
         local = 0.0
@@ -404,19 +357,3 @@ class MegatronWorker(WorkerCheckpoints):
             torch.distributed.all_reduce(t, group=self._ps.get_model_parallel_group())
             local = float(t.item())
         return math.sqrt(local)
-
-    def adapter_grad(self, adapter_id: str, op: GradOp) -> float | None:
-        check_grad_op(op)
-        st = self._get(adapter_id)
-        if op == "norm":
-            return self._grad_norm(st, [p.grad for p in st.params.values()])
-        for p in st.params.values():
-            p.grad = None
-        st.has_grad = False
-        return None
-
-    def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
-        st = self._get(adapter_id)
-        check_adam(params)
-        grads = require_grad(st)
-        return adam_step(st, grads, self._grad_norm(st, grads), params)

@@ -2,10 +2,8 @@
 
 Owns: which base models are served, with which backend and sampler, how many replicas, the Ray
 knobs and the Trainer's seq_id gap timeout (`EngineConfig`); and where a model's files are
-(`ModelConfig.files_dir`), including models named by hub id — ``org/name`` on the Hugging Face
-hub, ``ms://org/name`` on ModelScope — found in the local cache first, then downloaded when the
-process may go online, else a ConfigError naming the model and how to get it (torch-free, so the
-gateway finds tokenizer files with it; engine/base_models/registry.py resolves the other names).
+(`ModelConfig.files_dir`), for models named by hub id through engine/config/hub.py
+(engine/base_models/registry.py resolves the other names).
 Unknown keys are an error naming the key. The gateway's own sections (HTTP, Redis, JWT, quotas,
 the Tinker API surface) extend this in `gateway.config.ServerConfig`; process settings (data dir,
 DB URL) are `gateway.settings`.
@@ -13,8 +11,6 @@ DB URL) are `gateway.settings`.
 
 from __future__ import annotations
 
-import functools
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Self
@@ -253,7 +249,19 @@ class ModelConfig(_Strict):
             return Path(data_dir) / "models" / BUILTIN_MODELS[self.name]
         if self.name in PULLABLE_MODELS:
             return Path(data_dir) / "models" / PULLABLE_MODELS[self.name]
+        # imported here: `import engine.config` (the gateway's) stays free of hub resolution
+        from engine.config.hub import cached_dir
+
         return cached_dir(self.name)  # resolved (downloaded if allowed) at start-up
+
+
+MODELSCOPE_PREFIX = "ms://"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_name(name: str) -> bool:
+    """``org/name`` (Hugging Face hub) or ``ms://org/name`` (ModelScope): engine/config/hub.py."""
+    return bool(_REPO_ID.match(name.removeprefix(MODELSCOPE_PREFIX)))
 
 
 def _named_model(name: str) -> bool:
@@ -350,91 +358,3 @@ class EngineConfig(_Strict):
                 for e in exc.errors()
             )
             raise ConfigError(f"invalid {source}: {problems}") from None
-
-
-# ----------------------------------------------------------------------- models by hub id
-
-MODELSCOPE_PREFIX = "ms://"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_TRUE = ("1", "true", "yes", "on")
-
-
-def is_hub_name(name: str) -> bool:
-    """``org/name`` or ``ms://org/name``."""
-    return bool(_REPO_ID.match(name.removeprefix(MODELSCOPE_PREFIX)))
-
-
-def offline() -> bool:
-    return any(
-        os.environ.get(v, "").strip().lower() in _TRUE
-        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-
-
-def _how_to_get(name: str) -> str:
-    repo = name.removeprefix(MODELSCOPE_PREFIX)
-    if name.startswith(MODELSCOPE_PREFIX):
-        return (
-            f"download it on a machine with network (`modelscope download --model {repo}`) into "
-            "this machine's ModelScope cache, or give the model a local 'path:'"
-        )
-    return (
-        f"download it where the hub is reachable (`hf download {repo}`) into this machine's "
-        "Hugging Face cache (HF_HUB_CACHE), unset HF_HUB_OFFLINE to let the server download it, "
-        "or give the model a local 'path:'"
-    )
-
-
-def _check_folder(name: str, folder: Path) -> Path:
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"model {name!r}: {folder} has no config.json (not a model folder)")
-    return folder
-
-
-@functools.cache
-def cached_dir(name: str) -> Path:
-    """The model's folder in the local cache, without any network; ConfigError if absent.
-    Remembered per name (the gateway asks on every encode; `twinkle serve` resolved it before
-    any replica started, and a failure is not remembered)."""
-    return _resolve(name, local_only=True)
-
-
-def hub_model_dir(name: str) -> Path:
-    """The model's folder: the cache, else a download unless offline; ConfigError otherwise."""
-    return _resolve(name, local_only=offline())
-
-
-def _resolve(name: str, local_only: bool) -> Path:
-    if not is_hub_name(name):
-        raise ConfigError(f"model {name!r} is not a hub id (org/name or ms://org/name)")
-    repo = name.removeprefix(MODELSCOPE_PREFIX)
-    if name.startswith(MODELSCOPE_PREFIX):
-        try:
-            from modelscope import snapshot_download as ms_download  # pyright: ignore
-        except ImportError:
-            raise ConfigError(
-                f"model {name!r}: ModelScope ids need the 'modelscope' package "
-                "(pip install modelscope), or give the model a local 'path:'"
-            ) from None
-        try:
-            kw = {"local_files_only": True} if local_only else {}
-            return _check_folder(name, Path(ms_download(repo, **kw)))
-        except ConfigError:
-            raise
-        except Exception as e:  # modelscope raises its own errors for missing models
-            raise ConfigError(
-                f"model {name!r} is not available ({type(e).__name__}); {_how_to_get(name)}"
-            ) from None
-    from huggingface_hub import snapshot_download  # no torch: the gateway may call this
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        folder = snapshot_download(repo, local_files_only=local_only)
-    except LocalEntryNotFoundError:
-        where = "in the local Hugging Face cache" + (" (offline)" if local_only else "")
-        raise ConfigError(f"model {name!r} is not {where}; {_how_to_get(name)}") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise ConfigError(
-            f"model {name!r} could not be downloaded ({type(e).__name__}: {e}); {_how_to_get(name)}"
-        ) from None
-    return _check_folder(name, Path(folder))
