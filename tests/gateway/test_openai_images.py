@@ -1,4 +1,4 @@
-"""Images in the OpenAI chat API (issue #14): ``image_url`` parts with ``data:`` URLs on the tiny VL
+"""Images in the OpenAI chat API: ``image_url`` parts with ``data:`` URLs on the tiny VL
 model (``twinkle/tiny-vl``, a real in-process Sampler next to the tiny chat model's engine), driven
 by the official `openai` package: whole and streamed completions, greedy output equal to the
 engine's own sampling of the same tokens and image, the image changing the answer; every bad input
