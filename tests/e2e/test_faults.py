@@ -42,7 +42,7 @@ from tests.e2e.fault_services import (
 )
 from tests.services import postgres_binaries, run_postgres
 
-pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.own_cluster]
 BASE = "twinkle/tiny-chat"
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_BODY_MB = 2  # gateway.max_request_body_mb of this server

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import TWINKLE, _free_port, start_server, stop_server
+from tests.e2e.conftest import TWINKLE, _free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
 
 def _session_pids(sid: int) -> set[int]:
@@ -122,33 +122,6 @@ def test_busy_port_is_refused_before_start_up(tmp_path):
     assert "Traceback" not in out.stderr and "Twinkle ready" not in out.stdout
     assert not (tmp_path / "data" / "twinkle.db").exists()  # refused before migrating
     assert time.monotonic() - t0 < 60
-
-
-@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
-def test_serve_proxy_ingress_still_serves_the_sdk(tmp_path):
-    """``gateway.ingress: serve_proxy``: Ray Serve's proxy listens (not the gateway replica) and
-    the unmodified Tinker SDK trains through it."""
-    import tinker
-    from tinker import types
-
-    cfg = tmp_path / "server.yaml"
-    cfg.write_text("models:\n  - name: twinkle/tiny-chat\ngateway: {ingress: serve_proxy}\n")
-    srv, log = start_server(tmp_path, cfg)
-    try:
-        port = int(srv.url.rsplit(":", 1)[1])
-        assert _listener_commands(port) == ["ray::ProxyActor"]
-        sc = tinker.ServiceClient(base_url=srv.url, api_key=srv.create_key("proxy-user"))
-        tc = sc.create_lora_training_client(base_model="twinkle/tiny-chat", rank=4)
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
-            loss_fn_inputs={"target_tokens": [2, 3, 4, 5]},
-        )
-        fb = tc.forward_backward([datum], "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
-        assert fb.result().metrics["loss:sum"] > 0
-        assert opt.result() is not None
-    finally:
-        stop_server(srv, log)
 
 
 def test_unknown_config_key_is_an_error_naming_it(tmp_path):

@@ -2,8 +2,9 @@
 
 Ray Serve retries a call that had not reached a replica when that replica died on the replica
 Serve starts next, so without `ReplicaLoss` a step submitted just after a kill waits for the
-restart (36 s on a loaded CI host) to be told its adapter is gone. Here a Serve handle stand-in holds calls (as
-Serve's router does while it waits for a replica) and raises Ray's real actor-death errors.
+restart (36 s on a loaded CI host) to be told its adapter is gone. Here a Serve handle stand-in
+holds calls (as Serve's router does while it waits for a replica) and raises Ray's real
+actor-death errors.
 """
 
 from __future__ import annotations
