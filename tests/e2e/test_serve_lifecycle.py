@@ -12,10 +12,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.e2e.conftest import TWINKLE, _free_port
+from tests.e2e.conftest import TWINKLE, _free_port, _healthy
+from tests.launch import launch
+from tests.tiny_models import seed_models
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
@@ -135,29 +136,16 @@ def test_unknown_config_key_is_an_error_naming_it(tmp_path):
 def test_sigterm_shuts_down_ray_completely(tmp_path):
     port = _free_port()
     env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path))
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (the server writes it until it stops)
-    proc = subprocess.Popen(
+    seed_models(tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    started = launch(
         [TWINKLE, "serve", "--port", str(port)],
+        ready=lambda: _healthy(url),
+        log=tmp_path / "serve.log",
         env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
+    proc = started.proc
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if (
-                    httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2).status_code
-                    == 200
-                ):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("server not ready")
         assert len(_session_members(proc.pid)) > 3  # driver + gcs + raylet + replicas
         # ray.housekeeping_nice (10): Ray's housekeeping processes run at nice 10 (threads Ray
         # itself put at 15, a worker's task threads, stay there: a nice value is only raised);
@@ -200,5 +188,5 @@ def test_sigterm_shuts_down_ray_completely(tmp_path):
         assert _session_members(proc.pid) == []
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+            started.kill()
+        started.stop()
