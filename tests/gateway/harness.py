@@ -26,6 +26,7 @@ from gateway.engine_client import EngineClient
 from gateway.main import create_app
 from gateway.quotas.limits import set_limit
 from gateway.settings import Settings
+from tests.tiny_models import seed_models
 
 BASE = "twinkle/tiny-chat"
 
@@ -51,9 +52,12 @@ def fresh_postgres_db(server_url: str) -> str:
 
 def build_engines(data: Path, n: int = 1) -> list[dict]:
     """``n`` independent in-process engines ({base model: {"trainer", "sampler"}}) on the tiny
-    model, each with its own Trainer and Sampler (the model is built once under ``data``)."""
+    model, each with its own Trainer and Sampler (the session's tiny model, copied under
+    ``data``)."""
     from engine.sampler import Sampler  # torch: only where an engine is built
     from engine.trainer import Trainer
+
+    seed_models(data, (BASE,))
 
     # sequential: what `auto` measures and picks on CPU anyway (README, engine), without paying
     # the start-up probe (~1-2 s) in every gateway test; the probe has its own unit tests

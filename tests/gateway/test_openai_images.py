@@ -19,6 +19,7 @@ from engine.protocol import ImagePart, SampleInput, SamplingParams
 from tests.factories import png
 from tests.gateway.harness import BASE, build_engines
 from tests.gateway.openai_helpers import oai
+from tests.tiny_models import seed_models
 
 pytest.importorskip("PIL")
 
@@ -51,6 +52,7 @@ def env(make_gateway, tmp_path_factory):
     from engine.sampler import Sampler
 
     data = tmp_path_factory.mktemp("openai-images")
+    seed_models(data)
     limits = {"max_per_request": MAX_IMAGES, "max_bytes": MAX_BYTES}
     engines = build_engines(data)[0]
     vl = ModelConfig.model_validate({"name": VL, "images": limits})
