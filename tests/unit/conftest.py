@@ -23,8 +23,7 @@ _torch_threads()
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The tiny chat model (engine/base_models/tiny.py): the session's build (tests/tiny_models.py)
-    """
+    """The tiny chat model (engine/base_models/tiny.py), the session's build."""
     return built(TINY_MODEL_NAME)
 
 
