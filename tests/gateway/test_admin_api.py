@@ -15,6 +15,8 @@ from sqlalchemy import text
 from gateway.db import make_engine
 from tests.gateway.harness import create_model, fwdbwd, model, new_key, session, wait_future
 
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def env(make_gateway, each_db):

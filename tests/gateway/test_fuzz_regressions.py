@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
+
 BIG = str(2**64 + 7)
 
 

@@ -21,6 +21,8 @@ from tests.gateway.harness import (
     post_fwdbwd,
 )
 
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def gw(make_gateway):
