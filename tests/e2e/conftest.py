@@ -103,12 +103,20 @@ class ServerPool:
 
     def __init__(self) -> None:
         self.held: tuple[str, Server, Launched] | None = None
+        #: profile -> why it failed to start: not tried again (each try can take minutes)
+        self.failed: dict[str, Exception] = {}
 
     def get(self, profile: str, start: Callable[[], tuple[Server, Launched]]) -> Server:
         if self.held is not None and self.held[0] == profile:
             return self.held[1]
+        if profile in self.failed:
+            raise RuntimeError(f"profile {profile!r} failed to start") from self.failed[profile]
         self.release()
-        srv, started = start()
+        try:
+            srv, started = start()
+        except Exception as exc:
+            self.failed[profile] = exc
+            raise
         self.held = (profile, srv, started)
         return srv
 
