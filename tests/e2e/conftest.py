@@ -19,7 +19,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
 
 import httpx
 import pytest
@@ -135,7 +134,11 @@ def pool() -> Iterator[ServerPool]:
 
 
 @pytest.fixture(scope="session")
-def start_default(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], tuple[Server, IO]]:
+def start_default(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[], tuple[Server, Launched]]:
+    """Starts the default profile: the tiny chat model on SQLite, `DEFAULT_CONFIG`."""
+
     def start() -> tuple[Server, Launched]:
         data = tmp_path_factory.mktemp("twinkle-data")
         (data / "server.yaml").write_text(DEFAULT_CONFIG)
@@ -163,9 +166,9 @@ def _own_cluster_runs_alone(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("pool").release()
 
 
-#: fixture -> the pool profile it holds (a test's fixture closure names its profiles)
+#: starter fixture -> its pool profile (a test's fixture closure names the profiles it uses)
 PROFILE_OF_FIXTURE = {
-    "server": "default",
+    "start_default": "default",
     "start_vl": "vl",
     "start_mg": "megatron",
     "start_hosted": "hosted",
