@@ -1,5 +1,6 @@
-"""Session fixtures shared by every test layer: offline settings, and a real redis-server and
-Postgres (tests/services.py)."""
+"""Session fixtures shared by every test layer: offline settings, a real redis-server and Postgres
+(tests/services.py), the session's tiny models (tests/tiny_models.py), and the count of servers
+and Ray clusters started (tests/launch.py), printed at the end."""
 
 from __future__ import annotations
 
@@ -15,7 +16,23 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests import services
+from tests import launch, services, tiny_models
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_models_and_starts(
+    tmp_path_factory: pytest.TempPathFactory, record_testsuite_property
+) -> Iterator[None]:
+    """Tiny models are built once under the session's temp dir; the starts counted by
+    tests/launch.py go into the JUnit report (scripts/test_times.py prints them)."""
+    tiny_models.set_root(tmp_path_factory.mktemp("tiny-models"))
+    yield
+    for kind, n in sorted(launch.STARTS.items()):
+        record_testsuite_property(f"starts: {kind}", n)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    terminalreporter.write_line(launch.summary())
 
 
 def _missing(what: str, exc: Exception) -> None:

@@ -1,25 +1,37 @@
-"""A real `twinkle serve` (Ray Serve, SQLite, the tiny model) for the e2e suite, started once.
+"""Real `twinkle serve` processes for the e2e suite, one Ray cluster at a time.
 
-The server runs as a subprocess of the test session with its own data dir and a free port; keys are
-made with the real `twinkle keys create` command against the same DB.
+`start_server` starts one (its own data dir with the session's tiny models copied in, a free port,
+ready when healthz answers); keys are made with the real `twinkle keys create` against its DB.
+
+Shared servers come from a one-slot pool by profile (`ServerPool`): ``default`` (the `server`
+fixture: the tiny chat model, SQLite) and the profiles modules define (``hosted``, ``vl``,
+``megatron``, ...). Asking for another profile stops the running one first, and
+`pytest_collection_modifyitems` orders the e2e tests by the profile they use, so each profile
+starts once. Tests marked ``own_cluster`` start their own servers or Ray clusters (they kill,
+drain or restart them); the pool is emptied before each, and they run after all pooled tests.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.launch import Launched, launch
+from tests.tiny_models import seed_models
+
 REPO = Path(__file__).resolve().parents[2]
 TWINKLE = str(Path(sys.executable).parent / "twinkle")
 STARTUP_TIMEOUT_S = 240
+#: the default profile's config: no start-up probe (`execution: auto` has its own unit tests and
+#: the zero-config start is tests/e2e/test_serve_lifecycle.py's)
+DEFAULT_CONFIG = "models:\n  - name: twinkle/tiny-chat\n    execution: sequential\n"
 
 
 def _free_port() -> int:
@@ -31,6 +43,7 @@ def _free_port() -> int:
 class Server:
     def __init__(self, url: str, data_dir: Path, env: dict[str, str], proc: subprocess.Popen):
         self.url, self.data_dir, self.env, self.proc = url, data_dir, env, proc
+        self.keys: dict[str, str] = {}  # user -> the key fixtures share (`api_key`)
 
     def create_key(self, user: str, admin: bool = False) -> str:
         cmd = [TWINKLE, "keys", "create", "--user", user] + (["--admin"] if admin else [])
@@ -40,12 +53,20 @@ class Server:
         return out.stdout.strip().splitlines()[-1]
 
 
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def start_server(
     data_dir: Path, config: Path | None = None, env: dict[str, str] | None = None
-) -> tuple[Server, object]:
+) -> tuple[Server, Launched]:
     """A `twinkle serve` subprocess on a free port with ``data_dir``, ready (healthz 200);
-    returns it and its open log file. ``env``: extra variables for the server and for the
+    returns it and its `Launched` handle. ``env``: extra variables for the server and for the
     `Server`'s CLI calls (e.g. ``TWINKLE_DATABASE_URL``). Stop it with `stop_server`."""
+    seed_models(data_dir)
     port = _free_port()
     env = dict(
         os.environ,
@@ -55,51 +76,126 @@ def start_server(
         TRANSFORMERS_OFFLINE="1",
         **(env or {}),
     )
-    log = open(data_dir / "serve.log", "w")  # noqa: SIM115 (the server writes it until teardown)
     cmd = [TWINKLE, "serve", "--host", "127.0.0.1", "--port", str(port)]
     if config is not None:
         cmd += ["--config", str(config)]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
-    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"twinkle serve exited early:\n{(data_dir / 'serve.log').read_text()[-4000:]}"
-            )
+    started = launch(
+        cmd,
+        ready=lambda: _healthy(url),
+        log=data_dir / "serve.log",
+        env=env,
+        cwd=REPO,
+        timeout=STARTUP_TIMEOUT_S,
+        new_ray_cluster="RAY_ADDRESS" not in env,
+    )
+    return Server(url, data_dir, env, started.proc), started
+
+
+def stop_server(srv: Server, started: Launched) -> None:
+    started.stop(timeout=60)
+
+
+class ServerPool:
+    """At most one shared `twinkle serve` alive: `get` returns the running server of a profile,
+    or stops the running one and starts the profile's."""
+
+    def __init__(self) -> None:
+        self.held: tuple[str, Server, Launched] | None = None
+        #: profile -> why it failed to start: not tried again (each try can take minutes)
+        self.failed: dict[str, Exception] = {}
+
+    def get(self, profile: str, start: Callable[[], tuple[Server, Launched]]) -> Server:
+        if self.held is not None and self.held[0] == profile:
+            return self.held[1]
+        if profile in self.failed:
+            raise RuntimeError(f"profile {profile!r} failed to start") from self.failed[profile]
+        self.release()
         try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise RuntimeError(
-                f"twinkle serve not ready:\n{(data_dir / 'serve.log').read_text()[-4000:]}"
-            )
-        time.sleep(0.25)  # a start takes ~10 s; 1 s polls wasted ~0.5 s of each
-    return Server(url, data_dir, env, proc), log
+            srv, started = start()
+        except Exception as exc:
+            self.failed[profile] = exc
+            raise
+        self.held = (profile, srv, started)
+        return srv
 
-
-def stop_server(srv: Server, log) -> None:
-    srv.proc.send_signal(signal.SIGTERM)
-    try:
-        srv.proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait()
-    log.close()
+    def release(self) -> None:
+        if self.held is not None:
+            _, srv, started = self.held
+            self.held = None
+            stop_server(srv, started)
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    srv, log = start_server(tmp_path_factory.mktemp("twinkle-data"))
-    yield srv
-    stop_server(srv, log)
+def pool() -> Iterator[ServerPool]:
+    p = ServerPool()
+    yield p
+    p.release()
 
 
 @pytest.fixture(scope="session")
+def start_default(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[], tuple[Server, Launched]]:
+    """Starts the default profile: the tiny chat model on SQLite, `DEFAULT_CONFIG`."""
+
+    def start() -> tuple[Server, Launched]:
+        data = tmp_path_factory.mktemp("twinkle-data")
+        (data / "server.yaml").write_text(DEFAULT_CONFIG)
+        return start_server(data, data / "server.yaml")
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def server(pool: ServerPool, start_default) -> Server:
+    return pool.get("default", start_default)
+
+
+@pytest.fixture(scope="module")
 def api_key(server: Server) -> str:
-    return server.create_key("alice")
+    if "alice" not in server.keys:
+        server.keys["alice"] = server.create_key("alice")
+    return server.keys["alice"]
+
+
+@pytest.fixture(autouse=True)
+def _own_cluster_runs_alone(request: pytest.FixtureRequest) -> None:
+    """A test that starts its own server or Ray cluster runs with no pooled server alive."""
+    if request.node.get_closest_marker("own_cluster") is not None:
+        request.getfixturevalue("pool").release()
+
+
+#: starter fixture -> its pool profile (a test's fixture closure names the profiles it uses)
+PROFILE_OF_FIXTURE = {
+    "start_default": "default",
+    "start_vl": "vl",
+    "start_mg": "megatron",
+    "start_hosted": "hosted",
+    "start_pg": "postgres",
+}
+#: run order: tests without a server, then each profile once, then the own-cluster tests
+#: (``default`` right before ``megatron``: the parity test on both starts neither again)
+ORDER = ["none", "vl", "default", "megatron", "hosted", "postgres", "own_cluster"]
+
+
+def _group(item: pytest.Item) -> tuple[int, int]:
+    """(place in `ORDER`, 0 for a test on two profiles else 1). A test on two profiles (the
+    Megatron parity test: ``default``, then ``megatron``) runs first in its last profile's group,
+    while the first is still alive from its own group; it asks for them in `ORDER`."""
+    if item.get_closest_marker("own_cluster") is not None:
+        return ORDER.index("own_cluster"), 1
+    names = getattr(item, "fixturenames", ())
+    profiles = {PROFILE_OF_FIXTURE[n] for n in names if n in PROFILE_OF_FIXTURE}
+    return max((ORDER.index(p) for p in profiles), default=0), int(len(profiles) < 2)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the e2e tests by `_group` (stable: file order within a group); other layers keep
+    their place ahead of them."""
+    e2e = [i for i in items if "tests/e2e/" in i.nodeid]
+    if not e2e:
+        return
+    rest = [i for i in items if "tests/e2e/" not in i.nodeid]
+    items[:] = rest + sorted(e2e, key=_group)

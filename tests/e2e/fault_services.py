@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from tests.launch import count_ray_cluster
 from tests.services import _wait_port, free_port, redis_binary
 
 VENV_BIN = Path(sys.executable).parent
@@ -56,6 +57,7 @@ class RayHead:
         # A private, short temp dir (unix sockets: 107 bytes): with the default, `ray start` records
         # this cluster in /tmp/ray/ray_current_cluster and later bare ray.init() calls join it dead.
         self.temp_dir = tempfile.mkdtemp(prefix="twinkle-rayf.", dir="/tmp")
+        count_ray_cluster()
         self.proc = subprocess.Popen(
             [
                 str(VENV_BIN / "ray"),

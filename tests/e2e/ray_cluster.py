@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.launch import count_ray_cluster
+
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
 #: small object stores: two nodes share this host's memory with the rest of the suite
@@ -80,6 +82,7 @@ class TwoNodeCluster:
         )
 
     def start_head(self) -> None:
+        count_ray_cluster()
         args = ["--head", "--block", "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]
         args += ["--port", str(self.port), "--num-cpus", str(self.head_cpus)]
         args += ["--object-store-memory", str(OBJECT_STORE_BYTES)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -26,9 +27,12 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import tinker
 import yaml
+from tinker import types
 
-from tests.e2e.conftest import TWINKLE, Server, start_server, stop_server
+from tests.e2e.conftest import TWINKLE, Server, start_server
+from tests.e2e.test_serve_lifecycle import _listener_commands
 from tests.gateway.harness import fresh_postgres_db
 
 pytestmark = pytest.mark.e2e
@@ -157,7 +161,12 @@ class Hosted:
 
 
 @pytest.fixture(scope="module")
-def hosted(tmp_path_factory, redis_url, postgres_url):
+def start_hosted(tmp_path_factory, redis_url, postgres_url):
+    """Starts the hosted configuration's server (the pool's ``hosted`` profile)."""
+    return lambda: _start_hosted(tmp_path_factory, redis_url, postgres_url)
+
+
+def _start_hosted(tmp_path_factory, redis_url: str, postgres_url: str):
     redis.Redis.from_url(redis_url).flushdb()  # the session's Redis: no other test's state
     data = tmp_path_factory.mktemp("hosted-data")
     config = {
@@ -188,7 +197,12 @@ def hosted(tmp_path_factory, redis_url, postgres_url):
     }
     (data / "server.yaml").write_text(yaml.safe_dump(config))
     env = {"TWINKLE_DATABASE_URL": fresh_postgres_db(postgres_url)}
-    server, log = start_server(data, data / "server.yaml", env=env)
+    return start_server(data, data / "server.yaml", env=env)
+
+
+@pytest.fixture(scope="module")
+def hosted(tmp_path_factory, pool, start_hosted):
+    server = pool.get("hosted", start_hosted)
     h = Hosted(server, tmp_path_factory.mktemp("hosted-home"))
     # a quick-start file pointing at this very server, with a valid key: a hosted script must not
     # fall back to it when a variable is missing
@@ -209,7 +223,6 @@ def hosted(tmp_path_factory, redis_url, postgres_url):
     finally:
         if h.throttled is not None:
             h.throttled.kill()
-        stop_server(server, log)
 
 
 def test_the_server_is_the_hosted_configuration(hosted):
@@ -232,6 +245,24 @@ def test_the_server_is_the_hosted_configuration(hosted):
         timeout=120,
     )
     assert f"train_tokens_per_minute={THROTTLE_TOKENS_PER_MINUTE}" in shown.stdout
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_serve_proxy_ingress_still_serves_the_sdk(hosted):
+    """Two gateway replicas (``gateway.ingress: auto``) mean ``serve_proxy``: Ray Serve's proxy
+    listens (not a gateway replica) and the unmodified Tinker SDK trains through it."""
+    port = int(hosted.server.url.rsplit(":", 1)[1])
+    assert _listener_commands(port) == ["ray::ProxyActor"]
+    sc = tinker.ServiceClient(base_url=hosted.server.url, api_key=hosted.user("proxy-user"))
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4, 5]},
+    )
+    fb = tc.forward_backward([datum], "cross_entropy")
+    opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
+    assert fb.result().metrics["loss:sum"] > 0
+    assert opt.result() is not None
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +20,8 @@ import yaml
 
 from gateway.config import ServerConfig
 from tests.e2e.conftest import _free_port
+from tests.launch import launch
+from tests.tiny_models import seed_models
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +66,7 @@ def _script(path: str, *args: str, cwd: Path) -> tuple[dict, str]:
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
+@pytest.mark.own_cluster
 @pytest.mark.parametrize("backend", ["megatron", "transformer"])
 def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
     """Terminal 1: ``python .../server/<backend>/server.py``; terminal 2, same directory:
@@ -78,82 +80,71 @@ def test_two_terminals_with_nothing_set(tmp_path: Path, backend: str) -> None:
     cfg_path = tmp_path / "server_config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     work = tmp_path / "work"  # the user's directory: the server's data goes to ./.twinkle
-    work.mkdir()
+    seed_models(work / ".twinkle")
     log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [PLAIN_PYTHON, str(here / "server.py")],
-            env=_plain_env(TWINKLE_SERVER_CONFIG=str(cfg_path)),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=work,
-            start_new_session=True,
+    started = launch(
+        [PLAIN_PYTHON, str(here / "server.py")],
+        ready="Twinkle ready",
+        log=log_path,
+        env=_plain_env(TWINKLE_SERVER_CONFIG=str(cfg_path)),
+        cwd=work,
+        kind="launcher",
+    )
+    try:
+        text = log_path.read_text()
+        m = re.search(r"export TWINKLE_SERVER_URL=(\S+) TWINKLE_SERVER_TOKEN=(\S+)", text)
+        assert m, text[-2000:]
+        url, token = m.groups()
+        assert httpx.get(f"{url}/api/v1/healthz", timeout=5).status_code == 200
+        found = work / ".twinkle" / "quickstart.json"
+        assert json.loads(found.read_text()) == {"url": url, "key": token}
+        assert oct(found.stat().st_mode & 0o777) == "0o600"
+
+        res, _ = _script("twinkle/self_host/self_cognition.py", "--max-steps", "4", cwd=work)
+        assert len(res["losses"]) == 4 and all(map(float, res["losses"]))
+        assert res["checkpoint"].startswith("twinkle://")
+        saved = res["checkpoint"]
+
+        # sample.py takes the newest checkpoint: self_cognition's
+        res, _ = _script(
+            "twinkle/self_host/sample.py", "--prompts", "2", "--max-tokens", "8", cwd=work
         )
-        try:
-            deadline = time.monotonic() + 240
-            while "Twinkle ready" not in log_path.read_text():
-                assert proc.poll() is None, log_path.read_text()[-4000:]
-                assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-                time.sleep(1)
-            text = log_path.read_text()
-            m = re.search(r"export TWINKLE_SERVER_URL=(\S+) TWINKLE_SERVER_TOKEN=(\S+)", text)
-            assert m, text[-2000:]
-            url, token = m.groups()
-            assert httpx.get(f"{url}/api/v1/healthz", timeout=5).status_code == 200
-            found = work / ".twinkle" / "quickstart.json"
-            assert json.loads(found.read_text()) == {"url": url, "key": token}
-            assert oct(found.stat().st_mode & 0o777) == "0o600"
+        assert res["adapter"] == saved and len(res["samples"]) == 4
 
-            res, _ = _script("twinkle/self_host/self_cognition.py", "--max-steps", "4", cwd=work)
-            assert len(res["losses"]) == 4 and all(map(float, res["losses"]))
-            assert res["checkpoint"].startswith("twinkle://")
-            saved = res["checkpoint"]
+        res, _ = _script(
+            "twinkle/self_host/dpo.py", "--max-steps", "4", "--pairs-per-step", "8", cwd=work
+        )
+        assert res["losses"][-1] < res["losses"][0] and res["margins"][-1] > 0
+        assert res["checkpoint"].startswith("twinkle://")
 
-            # sample.py takes the newest checkpoint: self_cognition's
-            res, _ = _script(
-                "twinkle/self_host/sample.py", "--prompts", "2", "--max-tokens", "8", cwd=work
-            )
-            assert res["adapter"] == saved and len(res["samples"]) == 4
+        res, err = _script("tinker/self_host/self_cognition.py", "--max-steps", "6", cwd=work)
+        losses = res["losses"]  # batches of 4 out of 8 rows: steps 0, 2, 4 see the same rows
+        assert len(losses) == 6 and losses[4] < losses[2] < losses[0]
+        assert res["state"].startswith("tinker://") and len(res["samples"]) == 2
+        assert res["sampler_path"].endswith("/sampler_weights/self-cognition")
+        assert "step 6/6" in err  # a line per step
 
-            res, _ = _script(
-                "twinkle/self_host/dpo.py", "--max-steps", "4", "--pairs-per-step", "8", cwd=work
-            )
-            assert res["losses"][-1] < res["losses"][0] and res["margins"][-1] > 0
-            assert res["checkpoint"].startswith("twinkle://")
+        # sample.py takes the newest sampler weights: self_cognition's
+        sampled, _ = _script("tinker/self_host/sample.py", "--max-tokens", "8", cwd=work)
+        assert sampled["model_path"] == res["sampler_path"]
+        assert len(sampled["samples"]) == 2
 
-            res, err = _script("tinker/self_host/self_cognition.py", "--max-steps", "6", cwd=work)
-            losses = res["losses"]  # batches of 4 out of 8 rows: steps 0, 2, 4 see the same rows
-            assert len(losses) == 6 and losses[4] < losses[2] < losses[0]
-            assert res["state"].startswith("tinker://") and len(res["samples"]) == 2
-            assert res["sampler_path"].endswith("/sampler_weights/self-cognition")
-            assert "step 6/6" in err  # a line per step
+        if backend == "transformer":  # the megatron config serves no VL model
+            res, err = _script("tinker/self_host/multi_modal.py", "--max-steps", "3", cwd=work)
+            assert len(res["losses"]) == 3 and res["losses"][-1] < res["losses"][0]
+            assert len(res["read"]) == 8 and "step 3/3" in err
+            res, err = _script("twinkle/self_host/multi_modal.py", "--max-steps", "3", cwd=work)
+            assert len(res["losses"]) == 3 and res["losses"][-1] < res["losses"][0]
+            assert len(res["read"]) == 8 and "step 3/3" in err
 
-            # sample.py takes the newest sampler weights: self_cognition's
-            sampled, _ = _script("tinker/self_host/sample.py", "--max-tokens", "8", cwd=work)
-            assert sampled["model_path"] == res["sampler_path"]
-            assert len(sampled["samples"]) == 2
-
-            if backend == "transformer":  # the megatron config serves no VL model
-                res, err = _script("tinker/self_host/multi_modal.py", "--max-steps", "3", cwd=work)
-                assert len(res["losses"]) == 3 and res["losses"][-1] < res["losses"][0]
-                assert len(res["read"]) == 8 and "step 3/3" in err
-                res, err = _script("twinkle/self_host/multi_modal.py", "--max-steps", "3", cwd=work)
-                assert len(res["losses"]) == 3 and res["losses"][-1] < res["losses"][0]
-                assert len(res["read"]) == 8 and "step 3/3" in err
-
-            res, _ = _script(
-                "tinker/self_host/dpo.py", "--max-steps", "4", "--pairs-per-step", "8", cwd=work
-            )
-            assert res["margins"][0] == pytest.approx(0.0, abs=1e-6)  # policy == reference
-            assert res["losses"][-1] < res["losses"][0] and res["margins"][-1] > 0
-            assert res["state"].startswith("tinker://")
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        res, _ = _script(
+            "tinker/self_host/dpo.py", "--max-steps", "4", "--pairs-per-step", "8", cwd=work
+        )
+        assert res["margins"][0] == pytest.approx(0.0, abs=1e-6)  # policy == reference
+        assert res["losses"][-1] < res["losses"][0] and res["margins"][-1] > 0
+        assert res["state"].startswith("tinker://")
+    finally:
+        started.stop(timeout=60)
 
 
 def test_tinker_sft_and_sample_script(server) -> None:
@@ -182,6 +173,7 @@ def test_tinker_sft_and_sample_script(server) -> None:
     assert "saved tinker://" in out.stdout and "sample 0:" in out.stdout
 
 
+@pytest.mark.own_cluster
 def test_run_sh_serves_on_a_ray_cluster_it_starts_and_stops(tmp_path: Path) -> None:
     """``bash .../transformer/run.sh --cpu-workers 1``: a Ray head plus one worker node (token
     auth), the server joins that cluster (RAY_ADDRESS), a client trains through it; SIGTERM stops
@@ -191,44 +183,40 @@ def test_run_sh_serves_on_a_ray_cluster_it_starts_and_stops(tmp_path: Path) -> N
     cfg_path = tmp_path / "server_config.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     work = tmp_path / "work"
-    work.mkdir()
+    seed_models(work / ".twinkle")
     log_path = tmp_path / "run.log"
     ray_port = str(_free_port())
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            ["bash", str(SERVERS / "transformer" / "run.sh"), "--cpu-workers", "1"]
-            + ["--ray-port", ray_port],
-            env=_plain_env(TWINKLE_SERVER_CONFIG=str(cfg_path)),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=work,
-            start_new_session=True,
-        )
-        temp_dir = None
+    started = launch(
+        ["bash", str(SERVERS / "transformer" / "run.sh"), "--cpu-workers", "1"]
+        + ["--ray-port", ray_port],
+        ready="Twinkle ready",
+        log=log_path,
+        env=_plain_env(TWINKLE_SERVER_CONFIG=str(cfg_path)),
+        cwd=work,
+        kind="launcher",
+    )
+    proc = started.proc
+    temp_dir = None
+    try:
+        text = log_path.read_text()
+        joined = f"Joined the Ray cluster at 127.0.0.1:{ray_port}: 2 node(s)"
+        assert joined in text, text[-3000:]
+        m = re.search(r"temp dir: (\S+),", text)
+        assert m, text[-3000:]
+        temp_dir = m.group(1)
+        token = work / ".twinkle" / "ray_auth_token"
+        assert oct(token.stat().st_mode & 0o777) == "0o600"
+        res, _ = _script("twinkle/self_host/self_cognition.py", "--max-steps", "2", cwd=work)
+        assert len(res["losses"]) == 2 and res["checkpoint"].startswith("twinkle://")
+    finally:
+        proc.send_signal(signal.SIGTERM)
         try:
-            deadline = time.monotonic() + 240
-            while "Twinkle ready" not in log_path.read_text():
-                assert proc.poll() is None, log_path.read_text()[-4000:]
-                assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-                time.sleep(1)
-            text = log_path.read_text()
-            joined = f"Joined the Ray cluster at 127.0.0.1:{ray_port}: 2 node(s)"
-            assert joined in text, text[-3000:]
-            m = re.search(r"temp dir: (\S+),", text)
-            assert m, text[-3000:]
-            temp_dir = m.group(1)
-            token = work / ".twinkle" / "ray_auth_token"
-            assert oct(token.stat().st_mode & 0o777) == "0o600"
-            res, _ = _script("twinkle/self_host/self_cognition.py", "--max-steps", "2", cwd=work)
-            assert len(res["losses"]) == 2 and res["checkpoint"].startswith("twinkle://")
+            assert proc.wait(timeout=90) in (0, 143)
+        except subprocess.TimeoutExpired:
+            started.kill()
+            raise
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                assert proc.wait(timeout=90) in (0, 143)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise
+            started.stop()
     assert "[run.sh] Ray nodes stopped" in log_path.read_text()
     assert temp_dir is not None
     # No node recorded this (now dead) cluster where a bare ray.init() elsewhere would join it.

@@ -16,7 +16,7 @@ from tinker import types
 
 from tests.e2e.conftest import start_server, stop_server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 BASE = "twinkle/tiny-chat"
 #: four large steps (32 rows x 500 tokens each) keep the Trainer busy for seconds on CPU
 ROWS, LENGTH, STEPS = 32, 500, 4

@@ -18,7 +18,10 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+from tests.launch import count_ray_cluster
+from tests.tiny_models import seed_models
+
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
 SCRIPT = textwrap.dedent(
     """
@@ -90,7 +93,9 @@ SCRIPT = textwrap.dedent(
 
 
 def test_models_reach_their_trainer_and_sessions_stick_to_a_sampler(tmp_path):
+    seed_models(tmp_path)
     env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path), HF_HUB_OFFLINE="1")
+    count_ray_cluster()  # the child's local Ray
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)],
         env=env,

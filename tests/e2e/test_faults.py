@@ -1,4 +1,4 @@
-"""Fault injection against a real `twinkle serve` (issue #18, items 3-5): each test breaks one real
+"""Fault injection against a real `twinkle serve`: each test breaks one real
 component and checks what clients see and how fast the service recovers. Select with
 ``-m faults``; each prints a ``FAULT <name>: recovered in X s, <outcome>`` line.
 
@@ -42,14 +42,14 @@ from tests.e2e.fault_services import (
 )
 from tests.services import postgres_binaries, run_postgres
 
-pytestmark = [pytest.mark.e2e, pytest.mark.faults]
+pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.own_cluster]
 BASE = "twinkle/tiny-chat"
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_BODY_MB = 2  # gateway.max_request_body_mb of this server
 LIMIT_DATUMS = 8  # gateway.max_datums_per_request of this server
 TINY_MAX_POSITIONS = 512  # engine/base_models/tiny.py
 CKPT_TMPFS = "24m"  # a few tiny-model checkpoints fit; a filler file takes the rest
-FAIL_WITHIN_S = 30.0  # issue #18: every pending future of a killed Trainer fails within 30 s
+FAIL_WITHIN_S = 30.0  # every pending future of a killed Trainer fails within 30 s
 RESULTS: dict[str, str] = {}  # fault -> outcome line, printed as each test ends
 
 
@@ -464,7 +464,7 @@ def test_trainer_replica_killed_mid_step_resumes_to_the_same_loss(fault_server) 
             break
         except Exception as exc:  # noqa: BLE001 - until the new replica is up
             # a model made after the death lives on the new replica: the death must not fail it
-            # (CI, stop 34: a gateway replica that heard of the death late failed its load)
+            # (also on a gateway replica that hears of the death late)
             assert "load your last checkpoint" not in str(exc), exc
             assert time.monotonic() - t_kill < 240, "the Trainer replica did not come back"
             time.sleep(1)

@@ -30,7 +30,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import DEFAULT_CONFIG, start_server
 from tests.e2e.fuzz_inputs import SEQ_EDGE, proto_bodies, stream_bodies
 from tests.gateway.harness import fresh_postgres_db
 
@@ -49,16 +49,23 @@ _ADMIN_LOCKOUT = [
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tmp_path_factory: pytest.TempPathFactory, postgres_url: str):
-    # On Postgres, the production database: it enforces what SQLite lets through (32-bit
-    # INTEGER ids, VARCHAR lengths, no NUL in text), each a 500 until fuzzed there; the values
-    # SQLite alone refuses (past 64 bits) are bounded on the wire for both
-    db = fresh_postgres_db(postgres_url)
-    srv, log = start_server(
-        tmp_path_factory.mktemp("twinkle-fuzz"), env={"TWINKLE_DATABASE_URL": db}
-    )
-    yield srv
-    stop_server(srv, log)
+def start_pg(tmp_path_factory: pytest.TempPathFactory, postgres_url: str):
+    """Starts the module's server: the default one, on Postgres (the production database: it
+    enforces what SQLite lets through, 32-bit INTEGER ids, VARCHAR lengths, no NUL in text; the
+    values SQLite alone refuses, past 64 bits, are bounded on the wire for both)."""
+
+    def start():
+        data = tmp_path_factory.mktemp("twinkle-fuzz")
+        (data / "server.yaml").write_text(DEFAULT_CONFIG)
+        env = {"TWINKLE_DATABASE_URL": fresh_postgres_db(postgres_url)}
+        return start_server(data, data / "server.yaml", env=env)
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(pool, start_pg):
+    return pool.get("postgres", start_pg)
 
 
 def _schemathesis(url: str, key: str, seed: int, extra: list[str], report: Path) -> str:

@@ -23,7 +23,8 @@ import yaml
 from tinker import types
 
 import twinkle_client
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import start_server
+from tests.tiny_models import seed_models
 from tests.twinkle_scripts import hf_data, roll, sft_script
 from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
 
@@ -36,33 +37,41 @@ LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 
 
 @pytest.fixture(scope="module")
-def mg_server(tmp_path_factory: pytest.TempPathFactory):
-    from engine.base_models.tiny import build_tiny
+def start_mg(tmp_path_factory: pytest.TempPathFactory):
+    """Starts the module's server: the tiny model on Megatron (TP=2) and on Transformers."""
 
-    data_dir = tmp_path_factory.mktemp("twinkle-megatron")
-    model_dir = build_tiny(data_dir / "models" / "tiny-chat")  # what `serve` would build
-    config = {
-        "models": [
-            {
-                "name": MG,
-                "use_megatron": True,
-                "megatron": {"tensor_parallel": 2, "worker_num_cpus": 0.25},
-                "trainer": {"num_cpus": 0.25},
-                "sampler": {"num_cpus": 0.25},
-            },
-            {
-                "name": TF,
-                "path": str(model_dir),
-                "trainer": {"num_cpus": 0.25},
-                "sampler": {"num_cpus": 0.25},
-            },
-        ]
-    }
-    path = data_dir / "server.yaml"
-    path.write_text(yaml.safe_dump(config))
-    srv, log = start_server(data_dir, path)
-    yield srv
-    stop_server(srv, log)
+    def start():
+        data_dir = tmp_path_factory.mktemp("twinkle-megatron")
+        model_dir = seed_models(data_dir, (MG,)) / "tiny-chat"  # what `serve` would build
+        config = {
+            "models": [
+                {
+                    "name": MG,
+                    "use_megatron": True,
+                    "execution": "sequential",
+                    "megatron": {"tensor_parallel": 2, "worker_num_cpus": 0.25},
+                    "trainer": {"num_cpus": 0.25},
+                    "sampler": {"num_cpus": 0.25},
+                },
+                {
+                    "name": TF,
+                    "path": str(model_dir),
+                    "execution": "sequential",
+                    "trainer": {"num_cpus": 0.25},
+                    "sampler": {"num_cpus": 0.25},
+                },
+            ]
+        }
+        path = data_dir / "server.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return start_server(data_dir, path)
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def mg_server(pool, start_mg):
+    return pool.get("megatron", start_mg)
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +225,7 @@ def test_native_client_sft_script_matches_the_transformers_backend(mg_server, ke
     assert mg["losses"][-1] < mg["losses"][0]
 
 
-def test_upstream_client_sft_flow_matches_the_transformers_backend(mg_server, server):
+def test_upstream_client_sft_flow_matches_the_transformers_backend(server, pool, start_mg):
     """Upstream Twinkle's own client (twinkle-kit 0.5.1, tests/compat) runs the SFT flow of its
     cookbook on the Megatron model exactly as on the Transformers-backed default server."""
     from tests.compat.run_upstream import run_flow
@@ -226,8 +235,9 @@ def test_upstream_client_sft_flow_matches_the_transformers_backend(mg_server, se
         upstream = str(compat_python())
     except CompatVenvUnavailable as exc:
         pytest.skip(str(exc))
-    mg = run_flow(upstream, mg_server.url, mg_server.create_key("mg-upstream"), "sft")
     tf = run_flow(upstream, server.url, server.create_key("tf-upstream"), "sft")
+    mg_server = pool.get("megatron", start_mg)  # one server at a time: the default one stops
+    mg = run_flow(upstream, mg_server.url, mg_server.create_key("mg-upstream"), "sft")
     assert mg["models"] == [MG, TF]
     np.testing.assert_allclose(mg["losses"], tf["losses"], rtol=1e-5)
     assert mg["losses"][-1] < mg["losses"][0]

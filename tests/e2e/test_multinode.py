@@ -18,7 +18,7 @@ from tinker import types
 from tests.e2e.conftest import start_server, stop_server
 from tests.e2e.ray_cluster import TwoNodeCluster
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 BASE = "twinkle/tiny-chat"
 TRAINER_CLASS = "ServeReplica:twinkle:trainer-twinkle-tiny-chat"
 CONFIG = """

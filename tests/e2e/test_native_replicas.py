@@ -43,6 +43,7 @@ from gateway.engine_client import EngineClient  # noqa: E402
 from gateway.main import create_app  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 from tests.factories import create_user_and_key  # noqa: E402
+from tests.tiny_models import seed_models  # noqa: E402
 from tests.twinkle_scripts import BASE, hf_data, roll, sft_script  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -112,6 +113,7 @@ class RoundRobin(httpx.BaseTransport):
 def env(tmp_path_factory, redis_url):
     redis.Redis.from_url(redis_url).flushdb()
     data = Path(tmp_path_factory.mktemp("native-replicas"))
+    seed_models(data)
     settings = Settings(data_dir=data, database_url=f"sqlite:///{data}/twinkle.db")
     upgrade_to_head(settings.database_url)
     with session_scope(make_engine(settings.database_url)) as s:

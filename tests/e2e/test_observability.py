@@ -36,7 +36,7 @@ from tests.observability import (
     signal as alert_signal,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 BASE = "twinkle/tiny-chat"
 SCRAPE_S = 0.5
 DENIALS = 55

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import _free_port
+from tests.launch import count_ray_cluster
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 
@@ -39,6 +40,7 @@ def test_the_demo_pulls_a_real_model_that_learns_its_name(data_dir: Path) -> Non
         "PORT": str(_free_port()),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
+    count_ray_cluster()  # the demo's `twinkle serve`
     out = subprocess.run(
         ["bash", "scripts/demo.sh", "--model", MODEL],
         env=env,

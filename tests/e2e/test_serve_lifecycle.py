@@ -12,12 +12,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.e2e.conftest import TWINKLE, _free_port, start_server, stop_server
+from tests.e2e.conftest import TWINKLE, _free_port, _healthy
+from tests.launch import launch
+from tests.tiny_models import seed_models
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
 
 
 def _session_pids(sid: int) -> set[int]:
@@ -124,33 +125,6 @@ def test_busy_port_is_refused_before_start_up(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
-def test_serve_proxy_ingress_still_serves_the_sdk(tmp_path):
-    """``gateway.ingress: serve_proxy``: Ray Serve's proxy listens (not the gateway replica) and
-    the unmodified Tinker SDK trains through it."""
-    import tinker
-    from tinker import types
-
-    cfg = tmp_path / "server.yaml"
-    cfg.write_text("models:\n  - name: twinkle/tiny-chat\ngateway: {ingress: serve_proxy}\n")
-    srv, log = start_server(tmp_path, cfg)
-    try:
-        port = int(srv.url.rsplit(":", 1)[1])
-        assert _listener_commands(port) == ["ray::ProxyActor"]
-        sc = tinker.ServiceClient(base_url=srv.url, api_key=srv.create_key("proxy-user"))
-        tc = sc.create_lora_training_client(base_model="twinkle/tiny-chat", rank=4)
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
-            loss_fn_inputs={"target_tokens": [2, 3, 4, 5]},
-        )
-        fb = tc.forward_backward([datum], "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
-        assert fb.result().metrics["loss:sum"] > 0
-        assert opt.result() is not None
-    finally:
-        stop_server(srv, log)
-
-
 def test_unknown_config_key_is_an_error_naming_it(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("port: 8000\nmodels:\n  - name: twinkle/tiny-chat\n    max_lora_rnak: 8\n")
@@ -162,35 +136,22 @@ def test_unknown_config_key_is_an_error_naming_it(tmp_path):
 def test_sigterm_shuts_down_ray_completely(tmp_path):
     port = _free_port()
     env = dict(os.environ, TWINKLE_DATA_DIR=str(tmp_path))
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (the server writes it until it stops)
-    proc = subprocess.Popen(
+    seed_models(tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    started = launch(
         [TWINKLE, "serve", "--port", str(port)],
+        ready=lambda: _healthy(url),
+        log=tmp_path / "serve.log",
         env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
+    proc = started.proc
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if (
-                    httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2).status_code
-                    == 200
-                ):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("server not ready")
         assert len(_session_members(proc.pid)) > 3  # driver + gcs + raylet + replicas
         # ray.housekeeping_nice (10): Ray's housekeeping processes run at nice 10 (threads Ray
         # itself put at 15, a worker's task threads, stay there: a nice value is only raised);
         # the replicas and the raylet (whose future workers inherit its value) are untouched
         # applied in one pass after the deploy, before "ready" is printed: healthz answers before
-        # that pass ends (CI, stop 35, saw the controller at 10 and the GCS still at 0)
+        # that pass ends (the controller can be at 10 while the GCS is still at 0)
         deadline = time.monotonic() + 60
         while "Twinkle ready at" not in (tmp_path / "serve.log").read_text():
             assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
@@ -227,5 +188,5 @@ def test_sigterm_shuts_down_ray_completely(tmp_path):
         assert _session_members(proc.pid) == []
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+            started.kill()
+        started.stop()

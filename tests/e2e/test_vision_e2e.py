@@ -16,7 +16,7 @@ import tinker
 import yaml
 from tinker import types
 
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import start_server
 
 pytestmark = pytest.mark.e2e
 VL = "twinkle/tiny-vl"
@@ -28,22 +28,31 @@ FAILED = (tinker.RequestFailedError, tinker.APIStatusError)
 
 
 @pytest.fixture(scope="module")
-def vl_server(tmp_path_factory):
-    data = tmp_path_factory.mktemp("vl-server")
-    cfg = {
-        "models": [
-            {
-                "name": VL,
-                "trainer": {"num_replicas": 1, "num_cpus": 0.5},
-                "sampler": {"num_replicas": 1, "num_cpus": 0.5},
-                "images": {"max_per_request": 8, "max_bytes": 4096},
-            }
-        ]
-    }
-    (data / "server.yaml").write_text(yaml.safe_dump(cfg))
-    srv, log = start_server(data, data / "server.yaml")
-    yield srv
-    stop_server(srv, log)
+def start_vl(tmp_path_factory):
+    """Starts the module's server: the tiny VL model with small image caps."""
+
+    def start():
+        data = tmp_path_factory.mktemp("vl-server")
+        cfg = {
+            "models": [
+                {
+                    "name": VL,
+                    "execution": "sequential",
+                    "trainer": {"num_replicas": 1, "num_cpus": 0.5},
+                    "sampler": {"num_replicas": 1, "num_cpus": 0.5},
+                    "images": {"max_per_request": 8, "max_bytes": 4096},
+                }
+            ]
+        }
+        (data / "server.yaml").write_text(yaml.safe_dump(cfg))
+        return start_server(data, data / "server.yaml")
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def vl_server(pool, start_vl):
+    return pool.get("vl", start_vl)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,10 @@
         fut = gw.client.post(..., headers={"X-API-Key": key}).json()
         body = gw.wait(fut, key)                  # the future waiter
 
+A module that tests HTTP semantics only (auth, quotas, errors, ...) sets
+``ENGINE_BACKEND = "mock"``: its engines run engine/backends/mock.py (no torch, milliseconds per
+step); a test about training or sampling numbers keeps the real backend.
+
 Parametrise over the backing services by taking ``each_db`` ("sqlite", "postgres") and/or
 ``each_kv`` ("memory", "redis") and passing them on: ``make_gateway(db=each_db, kv=each_kv)``.
 Postgres and Redis are the real servers of tests/conftest.py.
@@ -78,9 +82,12 @@ def make_gateway(
     "redis" (the session's redis-server as ``gateway.redis_url``, flushed first unless
     ``flush_kv=False``: replicas after the first share the first one's state). ``data``: the data
     dir (default: a new temp dir). ``engines``: an engine dict to share (default: a new one,
-    `harness.build_engines`); ``engine_client`` replaces the in-process client. ``gateway``: the
-    config's gateway section; ``config``: other `ServerConfig` fields."""
+    `harness.build_engines`) on ``backend``: "transformers", or "mock" for tests of HTTP semantics
+    only (default: the module's ``ENGINE_BACKEND``, else "transformers"); ``engine_client``
+    replaces the in-process client. ``gateway``: the config's gateway section; ``config``: other
+    `ServerConfig` fields."""
     envs: list[GatewayEnv] = []
+    module_backend = getattr(request.module, "ENGINE_BACKEND", "transformers")
 
     def build(
         *,
@@ -92,6 +99,7 @@ def make_gateway(
         engine_client: EngineClient | None = None,
         gateway: dict | None = None,
         flush_kv: bool = True,
+        backend: str | None = None,
         **config: Any,
     ) -> GatewayEnv:
         data = Path(data or tmp_path_factory.mktemp("gateway"))
@@ -114,7 +122,7 @@ def make_gateway(
         elif kv != "memory":
             raise ValueError(f"kv: memory or redis, got {kv!r}")
         if engines is None:
-            engines = build_engines(data, 1)[0]
+            engines = build_engines(data, 1, backend or module_backend)[0]
         app = make_app(data, db_url, engines, gateway=gw, engine_client=engine_client, **config)
         stack = ExitStack()
         client = stack.enter_context(TestClient(app))

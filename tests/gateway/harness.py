@@ -26,6 +26,7 @@ from gateway.engine_client import EngineClient
 from gateway.main import create_app
 from gateway.quotas.limits import set_limit
 from gateway.settings import Settings
+from tests.tiny_models import seed_models
 
 BASE = "twinkle/tiny-chat"
 
@@ -49,15 +50,21 @@ def fresh_postgres_db(server_url: str) -> str:
     return server_url.rsplit("/", 1)[0] + "/" + name
 
 
-def build_engines(data: Path, n: int = 1) -> list[dict]:
+def build_engines(data: Path, n: int = 1, backend: str = "transformers") -> list[dict]:
     """``n`` independent in-process engines ({base model: {"trainer", "sampler"}}) on the tiny
-    model, each with its own Trainer and Sampler (the model is built once under ``data``)."""
+    model, each with its own Trainer and Sampler (the session's tiny model, copied under
+    ``data``). ``backend="mock"``: engine/backends/mock.py for both (no torch, numbers that are
+    not a language model's), for tests of HTTP semantics only."""
     from engine.sampler import Sampler  # torch: only where an engine is built
     from engine.trainer import Trainer
 
+    seed_models(data, (BASE,))
     # sequential: what `auto` measures and picks on CPU anyway (README, engine), without paying
     # the start-up probe (~1-2 s) in every gateway test; the probe has its own unit tests
-    m = ServerConfig().models[0].model_copy(update={"execution": "sequential"})
+    update: dict[str, Any] = {"execution": "sequential"}
+    if backend == "mock":
+        update |= {"backend": "mock", "sampler_type": "mock"}
+    m = ServerConfig().models[0].model_copy(update=update)
     return [
         {BASE: {"trainer": Trainer(m, str(data)), "sampler": Sampler(m, str(data))}}
         for _ in range(n)

@@ -16,6 +16,8 @@ from gateway.context import services_of
 from gateway.db import make_engine
 from tests.gateway.harness import create_model, fwdbwd, model, new_key, session, wait_future
 
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def env(make_gateway, each_db):

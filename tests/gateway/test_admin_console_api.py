@@ -10,6 +10,8 @@ import pytest
 
 from tests.gateway.harness import BASE, fwdbwd, model, session, wait_future
 
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def env(make_gateway, each_db):

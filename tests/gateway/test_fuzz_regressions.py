@@ -1,11 +1,13 @@
-"""5xx found by fuzzing the API (tests/e2e/test_fuzz_api.py), each kept here as a fast regression
-check through the real gateway and DB: integers beyond a 64-bit DB column in a path or query
-string were OverflowErrors in the driver (500), and so was an expiry beyond what a datetime holds;
-now validation refuses them with a 400 naming the parameter, before any query."""
+"""Inputs at the edges of the DB's types, through the real gateway and DB (fast companions of
+tests/e2e/test_fuzz_api.py): integers beyond a 64-bit DB column in a path or query string would be
+OverflowErrors in the driver (500), and so would an expiry beyond what a datetime holds;
+validation refuses them with a 400 naming the parameter, before any query."""
 
 from __future__ import annotations
 
 import pytest
+
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
 
 BIG = str(2**64 + 7)
 
@@ -65,8 +67,8 @@ def test_a_key_for_a_user_id_beyond_a_row_id_is_a_400(env) -> None:
     assert client.get("/api/v1/healthz").status_code == 200
 
 
-# -- found by schemathesis against a Postgres-backed server (2026-12-06): Postgres enforces what
-# SQLite does not (32-bit INTEGER ids, VARCHAR lengths, no NUL in text), and each was a 500
+# -- Postgres enforces what SQLite does not (32-bit INTEGER ids, VARCHAR lengths, no NUL in
+# text); unvalidated, each would be a 500 there
 ID_32 = str(2**31)
 
 

@@ -11,6 +11,8 @@ from tinker import types
 
 from tests.gateway.harness import BASE, fwdbwd_body, post_fwdbwd
 
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def app_client(make_gateway):

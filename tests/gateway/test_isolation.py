@@ -11,6 +11,8 @@ from sqlalchemy import text
 from gateway.db import make_engine
 from tests.gateway.harness import BASE, fwdbwd, model, session, wait_future
 
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def world(make_gateway):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from gateway.context import services_of
 from tests.gateway.harness import BASE
 
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
+
 
 def test_ready_then_draining(make_gateway):
     gw = make_gateway(drain_retry_after_seconds=9)

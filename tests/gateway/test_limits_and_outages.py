@@ -1,4 +1,4 @@
-"""Request limits and a database outage at the gateway (issue #18 items 3-4), on the real app: a
+"""Request limits and a database outage at the gateway, on the real app: a
 body over ``gateway.max_request_body_mb`` is a 413 before it is read (with and without a length),
 more datums than ``gateway.max_datums_per_request`` fail that seq_id naming the limit, and a
 Postgres that stops answering (a TCP proxy in front of it, closed) gives 503 + retry-after, not a
@@ -20,6 +20,8 @@ from tests.gateway.harness import (
     new_key,
     post_fwdbwd,
 )
+
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
 
 
 @pytest.fixture(scope="module")

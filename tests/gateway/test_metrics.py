@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.harness import create_model, new_key, set_quota
 
+ENGINE_BACKEND = "mock"  # HTTP semantics only (tests/gateway/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def env(make_gateway):

@@ -1,4 +1,4 @@
-"""Images in the OpenAI chat API (issue #14): ``image_url`` parts with ``data:`` URLs on the tiny VL
+"""Images in the OpenAI chat API: ``image_url`` parts with ``data:`` URLs on the tiny VL
 model (``twinkle/tiny-vl``, a real in-process Sampler next to the tiny chat model's engine), driven
 by the official `openai` package: whole and streamed completions, greedy output equal to the
 engine's own sampling of the same tokens and image, the image changing the answer; every bad input
@@ -19,6 +19,7 @@ from engine.protocol import ImagePart, SampleInput, SamplingParams
 from tests.factories import png
 from tests.gateway.harness import BASE, build_engines
 from tests.gateway.openai_helpers import oai
+from tests.tiny_models import seed_models
 
 pytest.importorskip("PIL")
 
@@ -51,6 +52,7 @@ def env(make_gateway, tmp_path_factory):
     from engine.sampler import Sampler
 
     data = tmp_path_factory.mktemp("openai-images")
+    seed_models(data)
     limits = {"max_per_request": MAX_IMAGES, "max_bytes": MAX_BYTES}
     engines = build_engines(data)[0]
     vl = ModelConfig.model_validate({"name": VL, "images": limits})

@@ -1,4 +1,4 @@
-"""Quotas through the real gateway (in-process engine on the tiny model, real SQLite, and a real
+"""Quotas through the real gateway (in-process engine on the mock backend, real SQLite, and a real
 redis-server shared by two gateway apps standing in for two replicas): 50 concurrent create_model
 calls against a cap of 3, a tokens-per-minute limit under 8 concurrent clients, 403 bodies that
 name the quota, checkpoint caps, LoRA rank caps, and the replica/Redis config rule."""
@@ -29,9 +29,8 @@ from tests.gateway.harness import (
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    data = Path(tmp_path_factory.mktemp("engine-data"))
-    build_engines(data, 1)  # builds the tiny model once for the module
-    return data
+    """The engines' data dir, shared by the module's tests."""
+    return Path(tmp_path_factory.mktemp("engine-data"))
 
 
 @pytest.fixture
@@ -41,7 +40,7 @@ def replicas(make_gateway, each_kv, tmp_path, model_dir):
     db_url = sqlite_url(tmp_path)
     n = 2 if each_kv == "redis" else 1
     gateway = {"num_replicas": 2} if n == 2 else {}
-    engines = build_engines(model_dir, n)
+    engines = build_engines(model_dir, n, backend="mock")  # quotas: HTTP semantics only
     with ExitStack() as stack:
         gws = [
             stack.enter_context(

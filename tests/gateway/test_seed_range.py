@@ -1,7 +1,7 @@
 """Seeds on every API: any signed 64-bit integer works end to end (stored, used), a larger one is
-a 400 naming the field. Before: a Tinker ``LoraConfig(seed=2**40)`` (a millisecond timestamp is
-past 2**31) was a 500 on Postgres ('integer out of range': training_runs.seed was a 32-bit
-column), and 2**70 a 500 on both databases (found while fixing schemathesis' user_id 500)."""
+a 400 naming the field. A Tinker ``LoraConfig(seed=2**40)`` is common (a millisecond timestamp is
+past 2**31) and needs a 64-bit column on Postgres ('integer out of range' otherwise); 2**70 fits
+no database column, so it must be refused on the wire."""
 
 from __future__ import annotations
 

@@ -1,10 +1,13 @@
-"""Unit-test fixtures: 2 torch threads, one tiny model built per session."""
+"""Unit-test fixtures: 2 torch threads, the session's tiny models."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from engine.config import TINY_MODEL_NAME, TINY_VL_MODEL_NAME
+from tests.tiny_models import built
 
 
 def _torch_threads() -> None:
@@ -19,16 +22,12 @@ _torch_threads()
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny chat model (engine/base_models/tiny.py), built once per test session."""
-    from engine.base_models.tiny import build_tiny
-
-    return build_tiny(tmp_path_factory.mktemp("models") / "tiny-chat")
+def tiny_model_dir() -> Path:
+    """The tiny chat model (engine/base_models/tiny.py), the session's build."""
+    return built(TINY_MODEL_NAME)
 
 
 @pytest.fixture(scope="session")
-def tiny_vl_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny vision-language model (engine/base_models/tiny_vl.py), built once per session."""
-    from engine.base_models.tiny_vl import build_tiny_vl
-
-    return build_tiny_vl(tmp_path_factory.mktemp("models") / "tiny-vl")
+def tiny_vl_model_dir() -> Path:
+    """The tiny vision-language model (engine/base_models/tiny_vl.py), the session's build."""
+    return built(TINY_VL_MODEL_NAME)

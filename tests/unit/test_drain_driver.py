@@ -51,14 +51,14 @@ def _drain(monkeypatch, scripts, replicas: int = 1, timeout: float = 30) -> floa
 
 def test_nothing_to_collect_stops_at_once(monkeypatch, capsys) -> None:
     took = _drain(monkeypatch, [lambda t: (0, 0)])
-    assert took < 1.5  # it used to wait DRAIN_COLLECT_S (2 s) whatever was left
+    assert took < 1.5  # not DRAIN_COLLECT_S (2 s): nothing is left to collect
     assert capsys.readouterr().out.strip() == "Drained: no request in flight"
 
 
 def test_waits_for_pending_then_for_collection(monkeypatch, capsys) -> None:
     # finishes at 0.6 s, its client collects the result at 1.0 s
     took = _drain(monkeypatch, [lambda t: (1 if t < 0.6 else 0, 1 if 0.6 <= t < 1.0 else 0)])
-    assert 1.0 <= took < 2.0  # it used to take 2.6 s (a 2 s sleep once nothing was pending)
+    assert 1.0 <= took < 2.0  # no 2 s sleep once nothing is pending (that would be 2.6 s)
     assert capsys.readouterr().out.strip() == "Drained: no request in flight"
 
 

@@ -1,4 +1,4 @@
-"""Errors of faults (issue #18): a checkpoint written onto a full disk (a real, tiny tmpfs) is a
+"""Errors of faults: a checkpoint written onto a full disk (a real, tiny tmpfs) is a
 `StorageFullError` that names the folder and leaves no partial directory; Ray's actor-death errors
 become a `ReplicaLostError` telling the client to resume from its last checkpoint."""
 

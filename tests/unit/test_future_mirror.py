@@ -70,8 +70,8 @@ class _SlowKV(MemoryKV):
 
 
 def test_another_replica_finds_a_future_as_soon_as_its_id_is_returned() -> None:
-    """CI, stop 35: the client's first retrieve_future reached the other gateway replica before
-    the owner's pending record was written, and was answered 404 (a lost future)."""
+    """A client's first retrieve_future may reach the other gateway replica at once: the owner's
+    pending record must already be there, or the future is answered 404 (lost)."""
 
     async def main() -> None:
         kv = _SlowKV(0.05)

@@ -100,7 +100,7 @@ def test_spec_switches_select_modules(model) -> None:
 def test_zero_b_is_identity_and_routing_is_per_row(model) -> None:
     # float64: in float32 a 1-row LoRA segment and the whole 3-row batch may take different GEMM
     # blockings, so equal rows could differ by float32 rounding (logits of scale ~10: 1 ulp is
-    # ~1e-6, the old bound); the routing itself is exact, which float64 shows with a wide margin
+    # ~1e-6); the routing itself is exact, which float64 shows with a wide margin
     model.double()
     x = _ids()
     base = model(x).logits

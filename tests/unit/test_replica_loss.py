@@ -1,9 +1,10 @@
 """A dead Trainer replica fails its models' calls at once (gateway/engine_client.py, `ReplicaLoss`).
 
 Ray Serve retries a call that had not reached a replica when that replica died on the replica
-Serve starts next, so a step submitted just after a kill used to wait for the restart (36 s on a
-loaded CI host) to be told its adapter is gone. Here a Serve handle stand-in holds calls (as
-Serve's router does while it waits for a replica) and raises Ray's real actor-death errors.
+Serve starts next, so without `ReplicaLoss` a step submitted just after a kill waits for the
+restart (36 s on a loaded CI host) to be told its adapter is gone. Here a Serve handle stand-in
+holds calls (as Serve's router does while it waits for a replica) and raises Ray's real
+actor-death errors.
 """
 
 from __future__ import annotations
@@ -217,9 +218,9 @@ def test_gateway_replicas_sharing_a_kv_hear_of_each_others_deaths(monkeypatch) -
 def test_calls_made_after_another_gateway_replicas_death_report_are_not_doomed_by_it(
     monkeypatch,
 ) -> None:
-    """CI, stop 34: gateway b had seen no death itself and its life's baseline was read before
-    the kill; a model made through b after a's report (on the new replica) had its load_state
-    failed by b's next poll of that report."""
+    """Gateway b has seen no death itself and read its life's baseline before the kill; a model
+    made through b after a's report (on the new replica) keeps its load_state when b next polls
+    that report."""
     monkeypatch.setattr(replica_loss, "POLL_S", 0.05)
 
     async def main() -> None:
