@@ -21,11 +21,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from engine.backends.base import SamplingBackend, TokenListener
 from engine.backends.registry import build_sampling_backend
 from engine.config import ModelConfig
-from engine.protocol import SampleDelta, SampleInput, SampleOutput
+from engine.protocol import SampleDelta, SampleInput, SampleOutput, SamplerApi
 from engine.storage import SharedDirStorage
 from engine.telemetry.exporter import export_replica_metrics
 from engine.telemetry.metrics import ReplicaMetrics, State, measured
@@ -433,3 +434,11 @@ class Sampler:
         tok = await self._text_tokenizer()
         eos = getattr(tok, "eos_token", None)
         return eos if isinstance(eos, str) and eos else None
+
+
+if TYPE_CHECKING:
+
+    def _serves_the_gateway(replica: Sampler) -> SamplerApi:
+        """Checked by pyright, never run: the Sampler has every method the gateway's typed client
+        calls, with compatible parameters and results (engine.protocol.SamplerApi)."""
+        return replica

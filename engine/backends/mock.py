@@ -46,7 +46,6 @@ from engine.backends.base import (
 from engine.backends.sample_checks import is_int, validate_sample_input
 from engine.errors import AdapterNotFoundError, CheckpointError, EngineError, UserInputError
 from engine.protocol import (
-    EMBEDDING_LOSS_FNS,
     AdamParams,
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -56,6 +55,7 @@ from engine.protocol import (
     SampleInput,
     SampleOutput,
 )
+from engine.rules import EMBEDDING_LOSS_FNS
 
 #: entries of an adapter's toy weight vector
 DIM = 16

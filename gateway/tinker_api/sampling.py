@@ -196,7 +196,7 @@ async def _sample_run(
     async def run_() -> tuple[str, object]:
         used = 0
         try:
-            out = await engine.sampler(base, "sample", inp, affinity=affinity)
+            out = await engine.sampler(base, affinity=affinity).sample(inp)
             sampled = sum(len(s.tokens) for s in out.sequences)
             used = n_prompt + sampled
             for kind, n in (

@@ -98,14 +98,12 @@ async def run_save(
     (a failed save releases a fresh reservation). Returns the size in bytes."""
     who, path = t.who, res.parsed.tinker_path
     try:
-        size = await t.engine.trainer(
-            run.base_model,
-            "save_state",
+        size = await t.engine.trainer(run.base_model).save_state(
             run.id,
-            seq_id,
-            str(res.directory),
-            spec.include_optimizer,
-            spec.age_recipients,
+            seq_id=seq_id,
+            directory=str(res.directory),
+            include_optimizer=spec.include_optimizer,
+            age_recipients=spec.age_recipients,
         )
     except BaseException:
         if not spec.ephemeral and not res.replaces:

@@ -39,8 +39,8 @@ async def healthz(config: ConfigDep, engine: EngineDep) -> dict | JSONResponse:
     """200 only when the gateway and every replica of every model's Trainer and Sampler answer."""
     try:
         for m in config.models:
-            await asyncio.wait_for(engine.trainer_all(m.name, "info"), timeout=5)
-            await asyncio.wait_for(engine.sampler_all(m.name, "info"), timeout=5)
+            await asyncio.wait_for(engine.every_trainer(m.name).info(), timeout=5)
+            await asyncio.wait_for(engine.every_sampler(m.name).info(), timeout=5)
     except Exception as exc:  # not ready yet, or a replica died
         return JSONResponse(
             {"status": "unavailable", "detail": type(exc).__name__}, status_code=503
@@ -137,7 +137,7 @@ async def get_server_capabilities(who: PrincipalDep, config: ConfigDep, engine: 
     """The models served here, with their context length and max LoRA rank."""
     models = []
     for m in config.models:
-        info = await engine.trainer(m.name, "info")
+        info = await engine.trainer(m.name).info()
         models.append(
             {
                 "model_name": m.name,

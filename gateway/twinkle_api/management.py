@@ -83,7 +83,7 @@ async def capacity_info(who: PrincipalDep, config: ConfigDep, engine: EngineDep)
     reloaded on use, so a full pool slows tenants down but never refuses them."""
     models = []
     for m in config.models:
-        pools = [s["pool"] for s in await engine.trainer_all(m.name, "stats")]  # every replica
+        pools = [s["pool"] for s in await engine.every_trainer(m.name).stats()]  # every replica
         used = sum(int(p["resident"]) for p in pools)
         capacity = sum(int(p["capacity"]) for p in pools)
         models.append(

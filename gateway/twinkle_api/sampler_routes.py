@@ -165,9 +165,7 @@ async def sample(
         try:
             outs = await asyncio.gather(
                 *(
-                    engine.sampler(
-                        name,
-                        "sample",
+                    engine.sampler(name, affinity=adapter_dir).sample(
                         SampleInput(
                             prompt_tokens=p,
                             prompt_images=parts,
@@ -175,8 +173,7 @@ async def sample(
                             params=params,
                             prompt_logprobs=bool(sp.prompt_logprobs),
                             adapter_dir=adapter_dir,
-                        ),
-                        affinity=adapter_dir,
+                        )
                     )
                     for p, parts in engine_prompts
                 )
