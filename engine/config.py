@@ -4,8 +4,8 @@ Owns: which base models are served, with which backend and sampler, how many rep
 knobs and the Trainer's seq_id gap timeout (`EngineConfig`); and where a model's files are
 (`ModelConfig.files_dir`), including models named by hub id — ``org/name`` on the Hugging Face
 hub, ``ms://org/name`` on ModelScope — found in the local cache first, then downloaded when the
-process may go online, else a ConfigError naming the model and how to get it (torch-free, so the
-gateway finds tokenizer files with it; engine/base_models/registry.py resolves the other names).
+process may go online, else a ConfigError naming the model and how to get it (torch-free;
+engine/base_models/registry.py resolves the other names).
 Unknown keys are an error naming the key. The gateway's own sections (HTTP, Redis, JWT, quotas,
 the Tinker API surface) extend this in `gateway.config.ServerConfig`; process settings (data dir,
 DB URL) are `gateway.settings`.
@@ -244,9 +244,9 @@ class ModelConfig(_Strict):
 
     def files_dir(self, data_dir: str | Path) -> Path:
         """This model's HF folder: ``path``, or the built-in model's folder under
-        ``<data_dir>/models``. Path arithmetic only, so the torch-free gateway can find tokenizer
-        files: the tiny model is built by `twinkle serve` before any replica starts and by a
-        Trainer when it loads it (engine/base_models/registry.py)."""
+        ``<data_dir>/models``. Path arithmetic only (the Sampler serves its tokenizer files from
+        here, engine/sampler_text.py): the tiny model is built by `twinkle serve` before any
+        replica starts and by a Trainer when it loads it (engine/base_models/registry.py)."""
         if self.path is not None:
             return Path(self.path).expanduser()
         if self.name in BUILTIN_MODELS:

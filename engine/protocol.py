@@ -12,7 +12,7 @@ checks both sides of the seam.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -299,3 +299,18 @@ class SamplerApi(ReplicaApi, Protocol):
     async def decode_pieces(self, tokens: list[int]) -> list[str]: ...
 
     async def eos_token(self) -> str | None: ...
+
+    async def image_token_id(self) -> int | None: ...
+
+    async def encode_trajectory(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = False,
+        options: Mapping[str, Any] | None = None,
+        field: str = "inputs[0]",
+    ) -> dict[str, list[int]]: ...
+
+    async def tokenizer_files(self) -> dict[str, int]: ...
+
+    async def tokenizer_file(self, name: str) -> bytes: ...

@@ -11,7 +11,7 @@ binding two values to the wrong parameters.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.protocol import (
@@ -189,6 +189,31 @@ class SamplerClient(SamplerApi):
 
     async def eos_token(self) -> str | None:
         return await self._call("eos_token")
+
+    async def image_token_id(self) -> int | None:
+        return await self._call("image_token_id")
+
+    async def encode_trajectory(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = False,
+        options: Mapping[str, Any] | None = None,
+        field: str = "inputs[0]",
+    ) -> dict[str, list[int]]:
+        return await self._call(
+            "encode_trajectory",
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            options=dict(options or {}),
+            field=field,
+        )
+
+    async def tokenizer_files(self) -> dict[str, int]:
+        return await self._call("tokenizer_files")
+
+    async def tokenizer_file(self, name: str) -> bytes:
+        return await self._call("tokenizer_file", name)
 
 
 class EveryReplica:

@@ -29,7 +29,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.errors import EngineError
 from engine.protocol import SampleInput
-from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, SettingsDep
+from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotImplementedOnServerError
 from gateway.images import check_images
 from gateway.openai_api import streaming
@@ -39,11 +39,11 @@ from gateway.twinkle_api.native_deps import BaseModelDep, NativeSessionDep
 from gateway.twinkle_api.sampling import (
     IGNORE_INDEX,
     adapter_dir_of,
-    encoder_for,
     feature,
     finite,
     roll,
     sampling_params,
+    template_for,
     unroll,
 )
 from gateway.twinkle_api.schemas import (
@@ -85,11 +85,13 @@ async def set_template(
     req: SamplerTemplateRequest,
     request: Request,
     config: ConfigDep,
-    settings: SettingsDep,
+    engine: EngineDep,
 ) -> dict:
     spec = TemplateSpec(name=req.template_cls, kwargs=dict(req.model_extra or {}))
     check_template(spec.name, spec.kwargs, "template_cls")
-    encoder_for(config, settings, name, spec)  # the tokenizer speaks it
+    template = template_for(config, engine, name, spec)
+    # the model's template renders a conversation with these options (else a 400 now, not later)
+    await template.encode({"messages": [{"role": "user", "content": "hi"}]}, field="template_cls")
     payload = json.dumps(spec.model_dump()).encode()
     await request.app.state.kv.set(_template_key(session.id, name), payload, TEMPLATE_TTL_S)
     return {"status": "ok"}
@@ -135,16 +137,15 @@ async def sample(
     db: DbDep,
     engine: EngineDep,
     config: ConfigDep,
-    settings: SettingsDep,
     limiter: SamplingLimiterDep,
 ) -> dict:
-    enc = encoder_for(config, settings, name, await _template(request, session.id, name))
+    enc = template_for(config, engine, name, await _template(request, session.id, name))
     inputs = _inputs(req)
     sp, params, n, adapter_dir = _request_parts(req, db, who, name)
-    prompts = [enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
+    prompts = [await enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
     # the engine's view: text tokens and the images at their places (VL models)
     engine_prompts = [
-        enc.sample_input_parts(item, p, f"inputs[{i}]")
+        await enc.sample_input_parts(item, p, f"inputs[{i}]")
         for i, (item, p) in enumerate(zip(inputs, prompts, strict=True))
     ]
     model_cfg = config.model(name)
@@ -186,7 +187,7 @@ async def sample(
         seqs = []
         for s in out.sequences:
             toks, lps = list(s.tokens), [float(x) for x in s.logprobs]
-            text = enc.decode(toks)
+            text = await enc.decode(toks)
             seqs.append(
                 {
                     "stop_reason": s.stop_reason,
@@ -218,17 +219,16 @@ async def sample_stream(
     db: DbDep,
     engine: EngineDep,
     config: ConfigDep,
-    settings: SettingsDep,
     limiter: SamplingLimiterDep,
 ) -> StreamingResponse:
     """One input, one sample, streamed as NDJSON lines ``{"delta", "finish_reason"}`` while the
     engine generates (upstream's shape); the last line has the finish reason."""
-    enc = encoder_for(config, settings, name, await _template(request, session.id, name))
+    enc = template_for(config, engine, name, await _template(request, session.id, name))
     inputs = _inputs(req)
     sp, params, n, adapter_dir = _request_parts(req, db, who, name)
     if len(inputs) != 1 or n != 1:
         raise InvalidRequestError("inputs: sample_stream takes one input and num_samples 1")
-    prompt = enc.prompt_tokens(inputs[0], "inputs[0]")
+    prompt = await enc.prompt_tokens(inputs[0], "inputs[0]")
     limits = limiter.quotas.limits(who, db)
     slot = limiter.acquire(who, limits)
     await slot.__aenter__()
@@ -237,7 +237,7 @@ async def sample_stream(
         meter = await SampleMeter.start(
             request.app.state, who, limits, name, len(prompt), params.max_tokens
         )
-        text, parts = enc.sample_input_parts(inputs[0], prompt, "inputs[0]")
+        text, parts = await enc.sample_input_parts(inputs[0], prompt, "inputs[0]")
         inp = SampleInput(
             prompt_tokens=text,
             prompt_images=parts,
