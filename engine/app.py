@@ -2,8 +2,8 @@
 
 The classes are the plain in-process `Trainer` / `Sampler`; this module only gives them Serve
 options. ``num_replicas: N`` becomes N single-replica deployments that the gateway routes between
-itself (gateway/engine_client.py). `max_ongoing_requests` is high because a Trainer replica holds
-requests that wait for their seq_id turn (they cost no compute while waiting). With
+itself (gateway/engine_client/transport.py). `max_ongoing_requests` is high because a Trainer
+replica holds requests that wait for their seq_id turn (they cost no compute while waiting). With
 ``engine_metrics.enabled`` each replica serves its Prometheus metrics and lists itself in the data
 dir's target folder (engine/telemetry/exporter.py), which `engine_apps` clears first. A
 replica's ``resources`` pin it to the nodes of a multi-node cluster that offer them; when that node
@@ -117,7 +117,7 @@ def engine_apps(config: EngineConfig, data_dir: str) -> dict[str, dict[str, list
     """``{base_model: {"trainer": [app per replica], "sampler": [...]}}`` to bind into the
     gateway. Each replica is its own single-replica deployment, because the gateway must choose
     the replica (an adapter lives in one Trainer; a sampling session sticks to one Sampler): see
-    gateway/engine_client.py."""
+    gateway/engine_client/transport.py."""
     check_models(config, data_dir)
     em = config.engine_metrics
     clear_targets(data_dir)  # targets of an earlier run's replicas (a crash leaves them behind)

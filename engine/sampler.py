@@ -21,11 +21,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from engine.backends.base import SamplingBackend, TokenListener
 from engine.backends.registry import build_sampling_backend
 from engine.config import ModelConfig
-from engine.protocol import SampleDelta, SampleInput, SampleOutput
+from engine.protocol import SampleDelta, SampleInput, SampleOutput, SamplerApi
+from engine.sampler_text import SamplerText
 from engine.storage import SharedDirStorage
 from engine.telemetry.exporter import ServesMetrics, export_replica_metrics
 from engine.telemetry.metrics import ReplicaMetrics, State, measured
@@ -44,9 +46,10 @@ def _rows(inp: SampleInput) -> int:
     return n if isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1 else 1
 
 
-class Sampler(ServesMetrics):
+class Sampler(SamplerText, ServesMetrics):
     """One base model's sampling replica: batches requests onto one `SamplingBackend` (built by
-    name in engine/backends/registry.py unless one is injected) on one worker thread."""
+    name in engine/backends/registry.py unless one is injected) on one worker thread. Its text
+    methods (tokenizer, chat templates) are `SamplerText`'s (engine/sampler_text.py)."""
 
     def __init__(
         self,
@@ -280,148 +283,10 @@ class Sampler(ServesMetrics):
                 results.append(e)
         return results
 
-    # ==========================================================================================
-    # Text helpers for the gateway's OpenAI-compatible API (gateway/openai_api/). The tokenizer
-    # lives with the model, so the gateway never imports transformers. This block only reads
-    # ``self.backend.tokenizer`` (and a VL backend's ``image_token_id()``). Tokenizing is cheap
-    # and keeps no state, so these run on the event loop, never queued behind a generation on the
-    # sampling thread. Text is decoded without special tokens and without clean-up of
-    # tokenization spaces.
-    # ==========================================================================================
 
-    async def _text_tokenizer(self):
-        tok = self.backend.tokenizer
-        if tok is None:
-            from engine.errors import BackendError
+if TYPE_CHECKING:
 
-            raise BackendError(f"the sampler of {self.model.name} has no tokenizer")
-        return tok
-
-    async def _check_token_ids(self, tokens: list[int], field: str) -> list[int]:
-        from engine.errors import UserInputError
-
-        if not isinstance(tokens, (list, tuple)):
-            raise UserInputError(f"{field}: must be a list of token ids")
-        out: list[int] = []
-        for j, t in enumerate(tokens):
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise UserInputError(
-                    f"{field}: token id {t!r} at position {j} must be an integer >= 0"
-                )
-            out.append(int(t))
-        return out
-
-    async def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True
-    ) -> list[int]:
-        """Token ids of ``messages`` ([{"role", "content"}, ...]) rendered by the tokenizer's chat
-        template (plus the assistant prefix when ``add_generation_prompt``). A missing template or
-        one that rejects the messages is a `UserInputError` naming ``messages``."""
-        from engine.errors import UserInputError
-
-        tok = await self._text_tokenizer()
-        if not isinstance(messages, list) or not messages:
-            raise UserInputError("messages: must be a non-empty list of {role, content} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise UserInputError(f"messages[{i}]: must be an object with a string 'role'")
-        if not getattr(tok, "chat_template", None):
-            raise UserInputError(
-                f"messages: model {self.model.name!r} has no chat template; send a plain prompt"
-            )
-        try:
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(), ...
-            detail = str(exc)[:300] or type(exc).__name__
-            raise UserInputError(f"messages: the chat template rejected them: {detail}") from None
-        if not isinstance(text, str):
-            raise UserInputError("messages: the chat template did not render to text")
-        # the template writes any BOS itself; adding special tokens again would double it
-        return [int(t) for t in tok.encode(text, add_special_tokens=False)]
-
-    async def encode_chat_images(
-        self, messages: list[dict], image_fields: list[str], add_generation_prompt: bool = True
-    ) -> tuple[list[int], list[int]]:
-        """`encode_chat` of messages whose content lists hold ``{"type": "image"}`` parts, one per
-        name in ``image_fields`` (the client's field of each image, in order; errors name them).
-        Returns the text token ids and each image's position in them (`ImagePart.position`): the
-        chat template renders an image as one image token (Qwen2-VL:
-        ``<|vision_start|><|image_pad|><|vision_end|>``), which is taken out here; sampling puts
-        the image's real tokens back there (engine/backends/vision.py). A text model (no image
-        token: the backend's ``image_token_id()`` is None) is a `UserInputError`
-        naming the first image, before its template sees the parts."""
-        from engine.errors import UserInputError
-
-        image_token = self.backend.image_token_id()
-        where = image_fields[0] if image_fields else "messages"
-        if image_token is None:
-            raise UserInputError(
-                f"{where}: model {self.model.name!r} is text-only; images need a "
-                "vision-language model"
-            )
-        tokens = await self.encode_chat(messages, add_generation_prompt)
-        text: list[int] = []
-        positions: list[int] = []
-        for t in tokens:
-            if t == image_token:
-                positions.append(len(text))
-            else:
-                text.append(t)
-        if len(positions) != len(image_fields):
-            raise UserInputError(
-                f"messages: the chat template rendered {len(positions)} image tokens for "
-                f"{len(image_fields)} images (is the image token typed in a text part?)"
-            )
-        return text, positions
-
-    async def encode_text(self, text: str) -> list[int]:
-        """Token ids of a plain prompt (with the tokenizer's usual special tokens, e.g. BOS)."""
-        from engine.errors import UserInputError
-
-        if not isinstance(text, str):
-            raise UserInputError("prompt: must be a string")
-        tok = await self._text_tokenizer()
-        return [int(t) for t in tok.encode(text)]
-
-    async def decode(self, tokens: list[int]) -> str:
-        """The text of ``tokens`` (special tokens such as EOS are left out)."""
-        ids = await self._check_token_ids(tokens, "tokens")
-        tok = await self._text_tokenizer()
-        return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    async def decode_pieces(self, tokens: list[int]) -> list[str]:
-        """The text each token adds, for streaming and per-token logprobs: one string per token,
-        whose concatenation equals ``decode(tokens)``. A token that ends inside a multi-byte
-        character (or a special token) adds "" and the character comes with a later token.
-        Decoded with a few tokens of left context, so tokenizers that drop a leading space at the
-        start of a decode (SentencePiece) still get it right."""
-        ids = await self._check_token_ids(tokens, "tokens")
-        tok = await self._text_tokenizer()
-
-        def dec(part: list[int]) -> str:
-            return tok.decode(part, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-        pieces: list[str] = []
-        prefix_off = read_off = 0  # context window start; end of the tokens already emitted
-        for i in range(len(ids)):
-            prefix_text = dec(ids[prefix_off:read_off])
-            new_text = dec(ids[prefix_off : i + 1])
-            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-                pieces.append(new_text[len(prefix_text) :])
-                prefix_off, read_off = read_off, i + 1
-            else:
-                pieces.append("")
-        if ids and read_off < len(ids):  # held-back bytes at the end: emit what they decode to
-            pieces[-1] += dec(ids[prefix_off:])[len(dec(ids[prefix_off:read_off])) :]
-        full = dec(ids)
-        if "".join(pieces) != full:  # an exotic decoder: give the whole text with the last token
-            pieces = [""] * (len(ids) - 1) + [full] if ids else []
-        return pieces
-
-    async def eos_token(self) -> str | None:
-        """The tokenizer's end-of-sequence token as text (e.g. "<|im_end|>"), or None."""
-        tok = await self._text_tokenizer()
-        eos = getattr(tok, "eos_token", None)
-        return eos if isinstance(eos, str) and eos else None
+    def _serves_the_gateway(replica: Sampler) -> SamplerApi:
+        """Checked by pyright, never run: the Sampler has every method the gateway's typed client
+        calls, with compatible parameters and results (engine.protocol.SamplerApi)."""
+        return replica

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
 from engine.backends.registry import build_training_backend
@@ -32,6 +32,7 @@ from engine.protocol import (
     ForwardBackwardOutput,
     LoraSpec,
     OptimStepOutput,
+    TrainerApi,
 )
 from engine.scheduling.adapter_pool import AdapterPool
 from engine.scheduling.exactly_once import OnceCache
@@ -405,3 +406,11 @@ class Trainer(ServesMetrics):
 
     async def native_close(self, model_id: str, tenant: str) -> None:
         return await self.native.close(model_id, tenant)
+
+
+if TYPE_CHECKING:
+
+    def _serves_the_gateway(replica: Trainer) -> TrainerApi:
+        """Checked by pyright, never run: the Trainer has every method the gateway's typed client
+        calls, with compatible parameters and results (engine.protocol.TrainerApi)."""
+        return replica

@@ -120,8 +120,8 @@ async def readyz(request: Request, config: ConfigDep, engine: EngineDep) -> JSON
         return JSONResponse({"status": "draining", **drain.status()}, status_code=503)
     try:
         for m in config.models:
-            await asyncio.wait_for(engine.trainer_all(m.name, "info"), timeout=PROBE_TIMEOUT_S)
-            await asyncio.wait_for(engine.sampler_all(m.name, "info"), timeout=PROBE_TIMEOUT_S)
+            await asyncio.wait_for(engine.every_trainer(m.name).info(), timeout=PROBE_TIMEOUT_S)
+            await asyncio.wait_for(engine.every_sampler(m.name).info(), timeout=PROBE_TIMEOUT_S)
     except Exception as exc:  # a replica still loading its model, or on a node that died
         return JSONResponse({"status": "not_ready", "detail": type(exc).__name__}, status_code=503)
     return JSONResponse({"status": "ready"})

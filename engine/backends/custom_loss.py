@@ -29,7 +29,8 @@ from engine.backends.custom_loss_graph import CompiledLoss, compile_loss, run_lo
 from engine.backends.losses import LossSpec, MetricSums
 from engine.backends.train_batching import Request, _datum
 from engine.errors import UserInputError
-from engine.protocol import CUSTOM_LOSS_FN, ForwardBackwardInput
+from engine.protocol import ForwardBackwardInput
+from engine.rules import CUSTOM_LOSS_FN
 
 if TYPE_CHECKING:
     from engine.backends.vision import Vision

@@ -33,7 +33,8 @@ import torch
 
 from engine.backends import custom_loss_ops as ops
 from engine.errors import UserInputError
-from engine.protocol import CUSTOM_LOSS_MAX_ARG_DEPTH, CUSTOM_LOSS_MAX_NODES, CustomLossGraph
+from engine.protocol import CustomLossGraph
+from engine.rules import CUSTOM_LOSS_MAX_ARG_DEPTH, CUSTOM_LOSS_MAX_NODES
 
 MAX_NODES = CUSTOM_LOSS_MAX_NODES
 MAX_ARG_DEPTH = CUSTOM_LOSS_MAX_ARG_DEPTH

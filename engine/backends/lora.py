@@ -34,7 +34,8 @@ from engine.backends.peft_files import (
 )
 
 # The target groups are defined in engine/protocol.py, so the torch-free gateway shares them.
-from engine.protocol import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, VISION_TARGETS, LoraSpec
+from engine.protocol import LoraSpec
+from engine.rules import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, VISION_TARGETS
 
 #: PEFT prefixes every key with the PeftModel → LoraModel → base model attribute path.
 PEFT_PREFIX = "base_model.model."

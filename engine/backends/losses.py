@@ -40,7 +40,7 @@ Notation: ``lp`` = learner log p of target_tokens [N], ``old`` = ``loss_fn_input
   ``num_pairs`` / ``num_chosen_tokens`` when given (the scheduler sets them on the slices of a
   sliced request).
 
-Embedding losses (`engine.protocol.EMBEDDING_LOSS_FNS`; upstream Twinkle's ``InfonceLoss`` with
+Embedding losses (`engine.rules.EMBEDDING_LOSS_FNS`; upstream Twinkle's ``InfonceLoss`` with
 ``task='embedding'``, reached through the native API only) take no targets: each datum is one
 sentence, ``loss_fn_inputs["anchor"]`` [1] is 1 for an anchor (which starts a group: anchor,
 positive, then optional negatives) and 0 for the rows of its group. The backend pools each row to
@@ -78,7 +78,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import UserInputError
-from engine.protocol import REFUSED_LOSS_FNS
+from engine.rules import REFUSED_LOSS_FNS
 
 if TYPE_CHECKING:
     from engine.backends.train_batching import Request

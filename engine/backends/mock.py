@@ -44,13 +44,13 @@ from engine.backends.base import (
 from engine.backends.sample_checks import is_int
 from engine.errors import AdapterNotFoundError, CheckpointError, UserInputError
 from engine.protocol import (
-    EMBEDDING_LOSS_FNS,
     AdamParams,
     ForwardBackwardInput,
     ForwardBackwardOutput,
     LoraSpec,
     OptimStepOutput,
 )
+from engine.rules import EMBEDDING_LOSS_FNS
 
 #: entries of an adapter's toy weight vector
 DIM = 16

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save
 
 from engine.backends.age_seal import Sealer, plain
 from engine.errors import CheckpointError
-from engine.protocol import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, VISION_TARGETS, LoraSpec
+from engine.protocol import LoraSpec
+from engine.rules import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, VISION_TARGETS
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG_NAME = "adapter_config.json"

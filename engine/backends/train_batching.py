@@ -19,7 +19,8 @@ from engine.backends.losses import LossSpec, get_loss
 from engine.backends.tinker_dpo import tinker_dpo
 from engine.backends.vision import PREPROCESSED_KEYS, Vision, VisionInputs
 from engine.errors import UserInputError
-from engine.protocol import CUSTOM_LOSS_FN, ForwardBackwardInput
+from engine.protocol import ForwardBackwardInput
+from engine.rules import CUSTOM_LOSS_FN
 
 if TYPE_CHECKING:
     from engine.backends.custom_loss_graph import CompiledLoss

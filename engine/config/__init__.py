@@ -240,9 +240,9 @@ class ModelConfig(_Strict):
 
     def files_dir(self, data_dir: str | Path) -> Path:
         """This model's HF folder: ``path``, or the built-in model's folder under
-        ``<data_dir>/models``. Path arithmetic only, so the torch-free gateway can find tokenizer
-        files: the tiny model is built by `twinkle serve` before any replica starts and by a
-        Trainer when it loads it (engine/base_models/registry.py)."""
+        ``<data_dir>/models``. Path arithmetic only (the Sampler serves its tokenizer files from
+        here, engine/sampler_text.py): the tiny model is built by `twinkle serve` before any
+        replica starts and by a Trainer when it loads it (engine/base_models/registry.py)."""
         if self.path is not None:
             return Path(self.path).expanduser()
         if self.name in BUILTIN_MODELS:

@@ -19,7 +19,8 @@ from engine.local.training_config import (
     is_upstream_mean,
     make_schedule,
 )
-from engine.protocol import LoraSpec, spec_target_modules
+from engine.protocol import LoraSpec
+from engine.rules import spec_target_modules
 
 #: written next to the PEFT files by `save` (not part of the backend's manifest)
 TRAIN_CONFIG_FILE = "twinkle_train_config.json"

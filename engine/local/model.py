@@ -73,7 +73,7 @@ from engine.local.training_config import (
     optimizer_config,
     resolve_loss,
 )
-from engine.protocol import lora_spec_from_config
+from engine.rules import lora_spec_from_config
 
 __all__ = ["DEFAULT_ADAPTER", "TRAIN_CONFIG_FILE", "MultiLoraTransformersModel", "default_data_dir"]
 

@@ -42,12 +42,8 @@ from engine.local.call_inputs import aligned_logps, apply_call_inputs, ref_logps
 from engine.local.embedding_inputs import embedding_batch
 from engine.local.inputs import Batch, convert, weighted_tokens
 from engine.local.training_config import LOCAL_LOSS_KEYS, UPSTREAM_MEAN, resolve_loss
-from engine.protocol import (
-    EMBEDDING_LOSS_FNS,
-    DatumInput,
-    ForwardBackwardInput,
-    ForwardBackwardOutput,
-)
+from engine.protocol import DatumInput, ForwardBackwardInput, ForwardBackwardOutput
+from engine.rules import EMBEDDING_LOSS_FNS
 
 if TYPE_CHECKING:
     from engine.backends.base import TrainingBackend

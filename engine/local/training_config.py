@@ -3,7 +3,7 @@
 Owns the translation of upstream-Twinkle style arguments into what the training backend takes:
 loss names/classes → Tinker ``loss_fn`` + ``loss_fn_config``, optimizer arguments → AdamW
 hyper-parameters, and the LR schedules. (LoRA configs → `LoraSpec` is
-`engine.protocol.lora_spec_from_config`: the torch-free gateway applies it too.)
+`engine.rules.lora_spec_from_config`: the torch-free gateway applies it too.)
 """
 
 from __future__ import annotations

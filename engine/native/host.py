@@ -2,12 +2,12 @@
 
 A native model (``POST /api/v1/model/<base>/twinkle/create``: one per session and base model) is
 the engine's own `MultiLoraTransformersModel` whose compute runs through this Trainer
-(`TrainerBackend`). Its state (loss, optimizer, LR schedule, template and processor settings,
-accumulation counters, metrics, the inputs `forward` cached for `backward`) lives here, next to its
-adapters, so any gateway replica can serve any call: the gateway routes every call by model id
-(`engine.protocol.trainer_route_key`) and keeps only who owns the model. A Trainer restart loses
-them, as it loses the adapters; the gateway then answers 404 and the client recreates the model and
-resumes from a checkpoint.
+(`SequencedTrainerBackend`). Its state (loss, optimizer, LR schedule, template and processor
+settings, accumulation counters, metrics, the inputs `forward` cached for `backward`) lives here,
+next to its adapters, so any gateway replica can serve any call: the gateway routes every call by
+model id (`engine.rules.trainer_route_key`) and keeps only who owns the model. A Trainer restart
+loses them, as it loses the adapters; the gateway then answers 404 and the client recreates the
+model and resumes from a checkpoint.
 
 Calls on one model run one at a time, in arrival order (one lock per model: the class is not
 thread-safe); calls on different models run concurrently on worker threads and meet in the
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import AdapterNotFoundError, UserInputError
 from engine.local.model import MultiLoraTransformersModel
-from engine.native.trainer_backend import TrainerBackend
-from engine.protocol import NATIVE_MODEL_METHODS
+from engine.native.sequenced_backend import SequencedTrainerBackend
+from engine.rules import NATIVE_MODEL_METHODS
 
 if TYPE_CHECKING:
     from engine.trainer import Trainer
@@ -72,7 +72,7 @@ class NativeModelHost:
         same tenant (a retried request) keeps the model."""
         hosted = self._models.get(model_id)
         if hosted is None:
-            backend = TrainerBackend(
+            backend = SequencedTrainerBackend(
                 self._trainer, asyncio.get_running_loop(), model_id=model_id, tenant=tenant
             )
             model = MultiLoraTransformersModel(

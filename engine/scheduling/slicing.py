@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine.protocol import EMBEDDING_LOSS_FNS, ForwardBackwardInput, ForwardBackwardOutput
+from engine.protocol import ForwardBackwardInput, ForwardBackwardOutput
+from engine.rules import EMBEDDING_LOSS_FNS
 
 PAIRED_LOSSES = {"dpo"}
 

@@ -247,9 +247,9 @@ async def engine_status(who: AdminPrincipalDep, config: ConfigDep, engine: Engin
     for m in config.models:
         entry: dict = {}
         for role in ("trainer", "sampler"):
-            call = engine.trainer if role == "trainer" else engine.sampler
+            replica = engine.trainer(m.name) if role == "trainer" else engine.sampler(m.name)
             try:
-                entry[role] = await asyncio.wait_for(call(m.name, "stats"), timeout=5)
+                entry[role] = await asyncio.wait_for(replica.stats(), timeout=5)
             except Exception as exc:  # a replica that does not answer is reported, not fatal
                 entry[role] = {"error": type(exc).__name__}
         out[m.name] = entry

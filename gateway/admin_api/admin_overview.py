@@ -46,9 +46,9 @@ async def whoami(who: AdminPrincipalDep) -> dict:
 
 
 async def _stats(engine, model: str, role: str) -> dict:
-    call = engine.trainer if role == "trainer" else engine.sampler
+    replica = engine.trainer(model) if role == "trainer" else engine.sampler(model)
     try:
-        return await asyncio.wait_for(call(model, "stats"), timeout=STATS_TIMEOUT_S)
+        return await asyncio.wait_for(replica.stats(), timeout=STATS_TIMEOUT_S)
     except Exception as exc:  # a replica that does not answer is reported, not fatal
         return {"error": type(exc).__name__}
 

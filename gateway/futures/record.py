@@ -2,8 +2,9 @@
 
 Owns: `fingerprint` (the digest that tells a retry from a different request under one key),
 `FutureRecord` (one future: its state, result or error, and its JSON form in the shared KV),
-`Claim` (the right to submit the one future of a key; see `FutureStore.claim`) and the 409 a key
-reused by another payload answers.
+`ReplayJob` (a future's engine call as data, which another replica can run again), `Claim` (the
+right to submit the one future of a key; see `FutureStore.claim`) and the 409 a key reused by
+another payload answers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,23 @@ def fingerprint(payload: bytes | str | dict | None) -> str | None:
     return hashlib.sha256(payload).hexdigest()
 
 
+@dataclass(frozen=True)
+class ReplayJob:
+    """A future's engine call as JSON data: which call (``name``) with what (``params``), enough
+    for another gateway replica to run it again after the one that accepted it died (takeover).
+    gateway/tinker_api/jobs.py builds and runs them; the store only keeps and hands them back."""
+
+    name: str
+    params: dict[str, Any]
+
+    def to_json(self) -> list:
+        return [self.name, self.params]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> ReplayJob | None:
+        return None if raw is None else cls(str(raw[0]), dict(raw[1]))
+
+
 @dataclass
 class FutureRecord:
     request_id: str
@@ -47,7 +65,7 @@ class FutureRecord:
     fingerprint: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     owner: str | None = None
-    job: list | None = None
+    job: ReplayJob | None = None
 
     def to_bytes(self) -> bytes:
         return json.dumps(
@@ -66,7 +84,7 @@ class FutureRecord:
                 "fingerprint": self.fingerprint,
                 "extra": self.extra,
                 "owner": self.owner,
-                "job": self.job,
+                "job": None if self.job is None else self.job.to_json(),
             }
         ).encode()
 
@@ -85,7 +103,7 @@ class FutureRecord:
             fingerprint=d["fingerprint"],
             extra=d.get("extra") or {},
             owner=d.get("owner"),
-            job=d.get("job"),
+            job=ReplayJob.from_json(d.get("job")),
         )
         if d["finished"]:
             rec.finished_at = time.monotonic()

@@ -17,7 +17,7 @@ still answers retrieve_future and still dedupes a retried seq_id.
 
 Takeover: each replica holds a lease key in the KV. A pending record whose owner's lease is gone
 (the replica died or restarted) is taken over by the first replica asked about it: if the record
-carries a *job* (a JSON description of its engine call, see `gateway.tinker_api.jobs`), the new
+carries a *job* (`ReplayJob`: its engine call as JSON data, see `gateway.tinker_api.jobs`), the new
 replica runs the job again, and the Trainer answers a repeated (model_id, seq_id) with the first
 execution's result (engine/scheduling/exactly_once.py), so nothing runs twice. A record without a
 job (sampling, saves) becomes expired: 410, which makes the SDK resubmit a sample.
@@ -36,9 +36,12 @@ from typing import Any
 
 from engine.errors import EngineError
 from gateway.futures.kv import KV, MemoryKV
-from gateway.futures.record import Claim, FutureRecord, Result, conflict, fingerprint
+from gateway.futures.record import Claim, FutureRecord, ReplayJob, Result, conflict, fingerprint
 
-__all__ = ["Claim", "FutureRecord", "FutureStore", "Result", "fingerprint"]
+__all__ = ["Claim", "FutureRecord", "FutureStore", "ReplayJob", "Result", "fingerprint"]
+
+#: a future's work: a coroutine factory, run once in the background
+Run = Callable[[], Awaitable[Result]]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class FutureStore:
         self.replica_id = uuid.uuid4().hex
         self._lease_task: asyncio.Task | None = None
         #: builds the coroutine of a job (set by the app: it needs the engine client)
-        self.job_runner: Callable[[list], Callable[[], Awaitable[Result]]] | None = None
+        self.job_runner: Callable[[ReplayJob], Run] | None = None
         #: awaited once a future that carries ``extra["trace"]`` finishes (set by the app: it
         #: writes the session trace row, gateway/runs/request_log.py)
         self.on_finish: Callable[[FutureRecord], Awaitable[None]] | None = None
@@ -264,16 +267,19 @@ class FutureStore:
         *,
         user_id: int,
         kind: str,
-        run: Callable[[], Awaitable[Result]],
+        run: Run,
+        job: ReplayJob | None = None,
         idem_key: tuple[str, int] | None = None,
         extra: dict[str, Any] | None = None,
         fp: str | None = None,
         claim: Claim | None = None,
     ) -> FutureRecord:
-        """Create a future and start ``run`` in the background. With ``claim`` (from `claim`), the
-        future is the one of the claimed key. Shared mode: returns once the pending record is in
-        the shared KV (one SET), so a retrieve_future another replica answers finds it (a poll
-        that reached the other replica before this write would be answered 404)."""
+        """Create a future and start ``run`` in the background. ``job``: the same work as data,
+        which another replica runs again if this one dies first (takeover); None: the future
+        expires with this replica instead. With ``claim`` (from `claim`), the future is the one
+        of the claimed key. Shared mode: returns once the pending record is in the shared KV (one
+        SET), so a retrieve_future that reaches another replica first finds it instead of
+        answering 404 for a future that exists."""
         self._expire()
         if claim is not None:
             idem_key, fp = claim.key, claim.fp
@@ -285,7 +291,7 @@ class FutureStore:
             fingerprint=fp,
             extra=extra or {},
             owner=self.replica_id,
-            job=getattr(run, "job", None),
+            job=job,
         )
         self._futures[rec.request_id] = rec
         if idem_key is not None:
@@ -299,9 +305,7 @@ class FutureStore:
             self._start(rec, run, mirror_first=not mirrored)
         return rec
 
-    def _start(
-        self, rec: FutureRecord, run: Callable[[], Awaitable[Result]], *, mirror_first: bool = True
-    ) -> None:
+    def _start(self, rec: FutureRecord, run: Run, *, mirror_first: bool = True) -> None:
         task = asyncio.get_running_loop().create_task(self._drive(rec, run, mirror_first))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -335,9 +339,7 @@ class FutureStore:
             await asyncio.sleep(delay)
         await self._mirror(rec)
 
-    async def _drive(
-        self, rec: FutureRecord, run: Callable[[], Awaitable[Result]], mirror_first: bool
-    ) -> None:
+    async def _drive(self, rec: FutureRecord, run: Run, mirror_first: bool) -> None:
         if mirror_first:
             await self._mirror(rec)
         try:

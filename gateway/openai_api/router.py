@@ -235,12 +235,12 @@ async def _run(
     image_fields: Sequence[str] = (),
 ) -> list[text_stream.Choice]:
     try:
-        out = await engine.sampler(target.base_model, "sample", inp, affinity=target.adapter_dir)
+        out = await engine.sampler(target.base_model, affinity=target.adapter_dir).sample(inp)
     except UserInputError as exc:
         raise _as_invalid(exc, field, image_fields) from None
     choices = []
     for j, seq in enumerate(out.sequences):
-        pieces = await engine.sampler(target.base_model, "decode_pieces", list(seq.tokens))
+        pieces = await engine.sampler(target.base_model).decode_pieces(list(seq.tokens))
         lps = list(seq.logprobs)
         choices.append(text_stream.finish(first_index + j, pieces, lps, seq.stop_reason, stops))
     return choices
@@ -253,9 +253,9 @@ async def _encode_chat(
     fields = [img.field for img in images]
     try:
         if not images:
-            return await engine.sampler(target.base_model, "encode_chat", messages), []
-        text, positions = await engine.sampler(
-            target.base_model, "encode_chat_images", messages, fields
+            return await engine.sampler(target.base_model).encode_chat(messages), []
+        text, positions = await engine.sampler(target.base_model).encode_chat_images(
+            messages, image_fields=fields
         )
     except UserInputError as exc:
         raise _as_invalid(exc, "messages", fields) from None
@@ -382,9 +382,7 @@ async def _completion_inputs(
         field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
         try:
             tokens = (
-                await engine.sampler(target.base_model, "encode_text", p)
-                if isinstance(p, str)
-                else p
+                await engine.sampler(target.base_model).encode_text(p) if isinstance(p, str) else p
             )
         except UserInputError as exc:
             raise _as_invalid(exc, field) from None

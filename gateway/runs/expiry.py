@@ -80,7 +80,7 @@ async def expire_sessions(
         if not engine.serves(base):
             continue
         try:
-            await engine.trainer(base, "delete_adapter", run_id)
+            await engine.trainer(base).delete_adapter(run_id)
         except Exception as exc:  # already gone (never created, or another replica released it)
             log.info("releasing adapter %s of an expired session: %s", run_id, exc)
     if ids:

@@ -175,7 +175,7 @@ async def unload_model(
     run = owned_run(db, who, req.model_id)
 
     async def run_() -> tuple[str, object]:
-        await engine.trainer(run.base_model, "delete_adapter", run.id)
+        await engine.trainer(run.base_model).delete_adapter(run.id)
         return "json", {"model_id": run.id, "type": "unload_model"}
 
     rec = await futures.submit(user_id=who.user_id, kind="unload_model", run=run_)

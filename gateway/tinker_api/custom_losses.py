@@ -19,12 +19,8 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.protocol import (
-    CUSTOM_LOSS_FN,
-    CUSTOM_LOSS_MAX_ARG_DEPTH,
-    CUSTOM_LOSS_MAX_NODES,
-    CustomLossGraph,
-)
+from engine.protocol import CustomLossGraph
+from engine.rules import CUSTOM_LOSS_FN, CUSTOM_LOSS_MAX_ARG_DEPTH, CUSTOM_LOSS_MAX_NODES
 from gateway.context import ContextDep, RequestContext
 from gateway.db.tables import CustomLossRow, TrainingRunRow
 from gateway.deps import owned_session
@@ -128,7 +124,7 @@ async def create_custom_loss(req: CreateCustomLossRequest, t: ContextDep) -> dic
             )
         if row is None:
             # Any Trainer checks it: the check needs torch, not a model.
-            await t.engine.trainer(t.engine.base_models[0], "check_custom_loss", graph)
+            await t.engine.trainer(t.engine.base_models[0]).check_custom_loss(graph)
             t.db.add(
                 CustomLossRow(
                     id=loss_id,

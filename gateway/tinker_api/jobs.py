@@ -1,37 +1,47 @@
 """Jobs: the engine calls of training futures, described as JSON so another gateway replica can
 run them again after the replica that accepted them died (gateway/futures/store.py, takeover).
 
-A job is ``[name, params]``. `runner(engine, job)` returns the future's coroutine factory with the
-job attached (``.job``), which the future store records. Running a job twice is safe: the Trainer
-answers a repeated (model_id, seq_id) with its first result (engine/scheduling/exactly_once.py).
+A job is a `ReplayJob` (name and JSON params). `runner(engine, job)` returns a `ReplayableRun`: the
+future's coroutine factory together with its job, which `submit_once` hands to the future store.
+Running a job twice is safe: the Trainer answers a repeated (model_id, seq_id) with its first
+result (engine/scheduling/exactly_once.py).
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, replace
-from typing import Any
+from collections.abc import Awaitable
+from dataclasses import asdict, dataclass, replace
 
 from engine.errors import UserInputError
 from engine.protocol import AdamParams, CustomLossGraph, LoraSpec
 from gateway.engine_client import EngineClient
+from gateway.futures.store import ReplayJob, Result, Run
 from gateway.tinker_api.proto_codec import decode_forward_backward, encode_forward_backward_output
 
-Job = list  # [name, params]
-Run = Callable[[], Awaitable[tuple[str, Any]]]
+
+@dataclass(frozen=True)
+class ReplayableRun:
+    """A future's coroutine factory (``run``) and the job that re-creates it on another replica:
+    callable like any `Run`, and `submit_once` passes ``job`` to the store."""
+
+    job: ReplayJob
+    run: Run
+
+    def __call__(self) -> Awaitable[Result]:
+        return self.run()
 
 
-def create_adapter_job(base: str, model_id: str, spec: LoraSpec, tenant: str) -> Job:
-    return [
+def create_adapter_job(base: str, model_id: str, spec: LoraSpec, tenant: str) -> ReplayJob:
+    return ReplayJob(
         "create_adapter",
         {"base": base, "model_id": model_id, "spec": asdict(spec), "tenant": tenant},
-    ]
+    )
 
 
 def forward_backward_job(
     base: str, model_id: str, seq_id: int, body: bytes, custom_loss: dict | None = None
-) -> Job:
+) -> ReplayJob:
     """``custom_loss``: the stored graph of a ``loss_fn="custom"`` request (JSON), attached to
     the engine input (gateway/tinker_api/custom_losses.py)."""
     params = {
@@ -42,7 +52,7 @@ def forward_backward_job(
     }
     if custom_loss is not None:
         params["custom_loss"] = custom_loss
-    return ["forward_backward", params]
+    return ReplayJob("forward_backward", params)
 
 
 def _custom_graph(params: dict) -> CustomLossGraph:
@@ -53,44 +63,45 @@ def _custom_graph(params: dict) -> CustomLossGraph:
     )
 
 
-def optim_step_job(base: str, model_id: str, seq_id: int, params: AdamParams) -> Job:
-    return [
+def optim_step_job(base: str, model_id: str, seq_id: int, params: AdamParams) -> ReplayJob:
+    return ReplayJob(
         "optim_step",
         {"base": base, "model_id": model_id, "seq_id": seq_id, "adam": asdict(params)},
-    ]
+    )
 
 
-def skip_job(base: str, model_id: str, seq_id: int, message: str) -> Job:
-    return ["skip", {"base": base, "model_id": model_id, "seq_id": seq_id, "message": message}]
+def skip_job(base: str, model_id: str, seq_id: int, message: str) -> ReplayJob:
+    return ReplayJob(
+        "skip", {"base": base, "model_id": model_id, "seq_id": seq_id, "message": message}
+    )
 
 
-async def _run(engine: EngineClient, name: str, p: dict) -> tuple[str, Any]:
-    base, model_id = p["base"], p["model_id"]
-    if name == "create_adapter":
-        await engine.trainer(base, "create_adapter", model_id, LoraSpec(**p["spec"]), p["tenant"])
+async def _run(engine: EngineClient, job: ReplayJob) -> Result:
+    p = job.params
+    trainer, model_id = engine.trainer(p["base"]), p["model_id"]
+    if job.name == "create_adapter":
+        await trainer.create_adapter(model_id, spec=LoraSpec(**p["spec"]), tenant=p["tenant"])
         return "json", {"model_id": model_id, "type": "create_model"}
-    if name == "forward_backward":
+    if job.name == "forward_backward":
         _, seq_id, inp = decode_forward_backward(base64.b64decode(p["body"]))
         if p.get("custom_loss") is not None:
             inp = replace(inp, custom_loss=_custom_graph(p["custom_loss"]))
-        out = await engine.trainer(base, "forward_backward", model_id, p["seq_id"], inp)
+        out = await trainer.forward_backward(model_id, seq_id=p["seq_id"], inp=inp)
         return "proto", encode_forward_backward_output(out)
-    if name == "optim_step":
-        out = await engine.trainer(
-            base, "optim_step", model_id, p["seq_id"], AdamParams(**p["adam"])
-        )
+    if job.name == "optim_step":
+        params = AdamParams(**p["adam"])
+        out = await trainer.optim_step(model_id, seq_id=p["seq_id"], params=params)
         return "json", {"metrics": out.metrics, "type": "optim_step"}
-    if name == "skip":
-        await engine.trainer(base, "skip", model_id, p["seq_id"])
+    if job.name == "skip":
+        await trainer.skip(model_id, seq_id=p["seq_id"])
         raise UserInputError(p["message"])
-    raise ValueError(f"unknown job {name!r}")
+    raise ValueError(f"unknown job {job.name!r}")
 
 
-def runner(engine: EngineClient, job: Job) -> Run:
-    """The coroutine factory of ``job``, carrying the job as ``.job``."""
+def runner(engine: EngineClient, job: ReplayJob) -> ReplayableRun:
+    """The coroutine factory of ``job``, with the job."""
 
-    async def run() -> tuple[str, Any]:
-        return await _run(engine, job[0], job[1])
+    async def run() -> Result:
+        return await _run(engine, job)
 
-    run.job = job  # type: ignore[attr-defined]
-    return run
+    return ReplayableRun(job, run)

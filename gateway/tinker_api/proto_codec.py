@@ -12,8 +12,6 @@ import math
 import numpy as np
 
 from engine.protocol import (
-    EMBEDDING_LOSS_FNS,
-    REFUSED_LOSS_FNS,
     DatumInput,
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -21,6 +19,7 @@ from engine.protocol import (
     SampleOutput,
     TopkLogprobs,
 )
+from engine.rules import EMBEDDING_LOSS_FNS, REFUSED_LOSS_FNS
 from gateway.errors import InvalidRequestError
 from gateway.tinker_api.wire_pb import pb
 

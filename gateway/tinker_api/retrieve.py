@@ -64,7 +64,7 @@ async def _try_again(rec: FutureRecord, engine: EngineClient) -> dict:
     if base and rec.idem_key is not None:
         try:
             status = await asyncio.wait_for(
-                engine.trainer(base, "status", rec.idem_key[0], rec.idem_key[1]), timeout=2
+                engine.trainer(base).status(rec.idem_key[0], seq_id=rec.idem_key[1]), timeout=2
             )
             state, reason = status["queue_state"], f"{rec.kind}: {status['reason']}"
         except Exception:  # status is best effort; the poll itself must not fail

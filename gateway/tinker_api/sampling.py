@@ -186,7 +186,7 @@ async def _sample_run(
     async def run_() -> tuple[str, object]:
         sampled = None
         try:
-            out = await engine.sampler(base, "sample", inp, affinity=affinity)
+            out = await engine.sampler(base, affinity=affinity).sample(inp)
             sampled = sum(len(s.tokens) for s in out.sequences)
             return "proto", encode_sample_output(out, target_csr)
         finally:

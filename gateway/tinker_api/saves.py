@@ -38,14 +38,12 @@ async def run_save(
     size in bytes."""
 
     async def save_state() -> int:
-        return await t.engine.trainer(
-            run.base_model,
-            "save_state",
+        return await t.engine.trainer(run.base_model).save_state(
             run.id,
-            seq_id,
-            str(res.directory),
-            spec.include_optimizer,
-            spec.age_recipients,
+            seq_id=seq_id,
+            directory=str(res.directory),
+            include_optimizer=spec.include_optimizer,
+            age_recipients=spec.age_recipients,
         )
 
     return await checkpoints.write(t, run, spec, res, save_state)

@@ -33,11 +33,10 @@ from gateway.context import RequestContext
 from gateway.db.tables import TrainingRunRow, utcnow
 from gateway.engine_client import EngineClient
 from gateway.errors import InvalidRequestError, PayloadTooLargeError, QuotaExceededError
-from gateway.futures.store import FutureRecord
+from gateway.futures.store import FutureRecord, ReplayJob, Run
 from gateway.runs.request_log import trace_tag
 from gateway.tinker_api import jobs
 
-Run = jobs.Run
 #: what `submit_once`'s prepare step returns: the engine coroutine and the record's extra fields
 Prepared = tuple[Run, dict[str, Any]]
 
@@ -78,7 +77,9 @@ async def submit_once(
     released and the error propagates. Without a key, prepare and submit."""
     if key is None:
         run, extra = await prepare()
-        return await t.futures.submit(user_id=t.who.user_id, kind=kind, run=run, extra=extra, fp=fp)
+        return await t.futures.submit(
+            user_id=t.who.user_id, kind=kind, run=run, job=_job(run), extra=extra, fp=fp
+        )
     got = await t.futures.claim(key, fp)
     if isinstance(got, FutureRecord):
         return got
@@ -87,7 +88,15 @@ async def submit_once(
     except BaseException:
         await t.futures.release(got)
         raise
-    return await t.futures.submit(user_id=t.who.user_id, kind=kind, run=run, extra=extra, claim=got)
+    return await t.futures.submit(
+        user_id=t.who.user_id, kind=kind, run=run, job=_job(run), extra=extra, claim=got
+    )
+
+
+def _job(run: Run) -> ReplayJob | None:
+    """The job another replica re-runs ``run`` from, if it has one (training steps do; samples
+    and saves expire with their replica)."""
+    return run.job if isinstance(run, jobs.ReplayableRun) else None
 
 
 async def submit_sequenced(

@@ -41,8 +41,8 @@ async def healthz(config: ConfigDep, engine: EngineDep) -> dict | JSONResponse:
     """200 only when the gateway and every replica of every model's Trainer and Sampler answer."""
     try:
         for m in config.models:
-            await asyncio.wait_for(engine.trainer_all(m.name, "info"), timeout=5)
-            await asyncio.wait_for(engine.sampler_all(m.name, "info"), timeout=5)
+            await asyncio.wait_for(engine.every_trainer(m.name).info(), timeout=5)
+            await asyncio.wait_for(engine.every_sampler(m.name).info(), timeout=5)
     except Exception as exc:  # not ready yet, or a replica died
         return JSONResponse(
             {"status": "unavailable", "detail": type(exc).__name__}, status_code=503

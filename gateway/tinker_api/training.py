@@ -14,12 +14,13 @@ import json
 import zstandard
 from fastapi import APIRouter, Request
 
-from engine.protocol import CUSTOM_LOSS_FN, AdamParams, LoraSpec
+from engine.protocol import AdamParams, LoraSpec
+from engine.rules import CUSTOM_LOSS_FN
 from gateway.context import ContextDep, RequestContext
 from gateway.db.tables import TrainingRunRow
 from gateway.deps import owned_run, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
-from gateway.futures.store import fingerprint
+from gateway.futures.store import ReplayJob, fingerprint
 from gateway.images import check_images
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.runs.request_log import trace_tag
@@ -208,7 +209,7 @@ async def forward_backward(request: Request, t: ContextDep) -> dict:
     return future_json(rec, model_id)
 
 
-def _metered(t: RequestContext, run: TrainingRunRow, job: jobs.Job, n_tokens: int) -> Run:
+def _metered(t: RequestContext, run: TrainingRunRow, job: ReplayJob, n_tokens: int) -> Run:
     """``job``'s coroutine, recording ``n_tokens`` training tokens in the usage ledger when done."""
     job_run = jobs.runner(t.engine, job)
     who, ledger = t.who, t.usage
@@ -218,8 +219,7 @@ def _metered(t: RequestContext, run: TrainingRunRow, job: jobs.Job, n_tokens: in
         metering.record_training(ledger, who, run.session_id, run.base_model, n_tokens)
         return out
 
-    run_.job = job  # type: ignore[attr-defined]  # a replica taking over re-runs it
-    return run_
+    return jobs.ReplayableRun(job, run_)  # a replica taking over re-runs the job
 
 
 @router.post("/optim_step", **returns(FutureResponse))
@@ -313,12 +313,13 @@ def _load_state(
     engine, tenant = t.engine, str(t.who.user_id)
 
     async def run_() -> tuple[str, object]:
-        if seq_id is None:
-            await engine.trainer(
-                base, "load_state", model_id, None, directory, req.optimizer, tenant
-            )
-        else:
-            await engine.trainer(base, "load_state", model_id, seq_id, directory, req.optimizer)
+        await engine.trainer(base).load_state(
+            model_id,
+            seq_id=seq_id,
+            directory=directory,
+            include_optimizer=req.optimizer,
+            tenant=tenant,  # the owner of a model this load creates (seq_id None)
+        )
         return "json", {"path": req.path, "model_id": model_id, "type": "load_weights"}
 
     return run_

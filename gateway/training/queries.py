@@ -29,7 +29,7 @@ async def served_models(config: ServerConfig, engine: EngineClient) -> list[dict
     """The models served here, with their context length and max LoRA rank."""
     models = []
     for m in config.models:
-        info = await engine.trainer(m.name, "info")
+        info = await engine.trainer(m.name).info()
         models.append(
             {
                 "model_name": m.name,

@@ -109,14 +109,14 @@ async def sample_events(
     """Stream one engine request (``inp.num_samples`` choices numbered from ``first_index``)."""
     tracks = [_Track(first_index + s) for s in range(inp.num_samples)]
     hold = max((len(s) for s in stops), default=1) - 1
-    decode = engine.sampler  # engine.sampler(base_model, "decode_pieces", tokens)
-    stream = engine.sampler_stream(base_model, "sample_stream", inp, affinity=inp.adapter_dir)
+    decode = engine.sampler(base_model).decode_pieces
+    stream = engine.sampler(base_model, affinity=inp.adapter_dir).sample_stream(inp)
     async for delta in stream:
         delta: SampleDelta
         if delta.final is not None:
             for s, seq in enumerate(delta.final.sequences):
                 t = tracks[s]
-                pieces = await decode(base_model, "decode_pieces", list(seq.tokens))
+                pieces = await decode(list(seq.tokens))
                 c = finish(t.index, pieces, list(seq.logprobs), seq.stop_reason, stops)
                 rest_pieces = c.pieces[t.sent_tokens :]
                 rest_text = c.text[t.sent_chars :]
@@ -134,7 +134,7 @@ async def sample_events(
             t.logprobs += delta.logprobs.get(s, [])
             if len(t.tokens) < 2:
                 continue
-            pieces = (await decode(base_model, "decode_pieces", t.tokens))[:-1]
+            pieces = (await decode(t.tokens))[:-1]
             text = "".join(pieces)
             limit = len(text) - hold
             cuts = [i for st in stops if (i := text.find(st)) >= 0]

@@ -8,11 +8,12 @@ both clients see one list); checkpoint paths are returned in both spellings
 
 from __future__ import annotations
 
+import mimetypes
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Query
-from fastapi.responses import FileResponse
+from fastapi.responses import Response
 
 from gateway.db.tables import SessionRow, utcnow
 from gateway.deps import (
@@ -21,7 +22,6 @@ from gateway.deps import (
     DbDep,
     EngineDep,
     PrincipalDep,
-    SettingsDep,
     owned_session,
 )
 from gateway.errors import InvalidRequestError, NotFoundError
@@ -29,7 +29,6 @@ from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import delete_checkpoint, readable_checkpoint
 from gateway.training import queries
 from gateway.twinkle_api.schemas import CreateSessionRequest, HeartbeatRequest
-from gateway.twinkle_api.templates import TOKENIZER_FILES
 
 router = APIRouter(prefix="/api/v1/twinkle")
 
@@ -82,7 +81,7 @@ async def capacity_info(who: PrincipalDep, config: ConfigDep, engine: EngineDep)
     reloaded on use, so a full pool slows tenants down but never refuses them."""
     models = []
     for m in config.models:
-        pools = [s["pool"] for s in await engine.trainer_all(m.name, "stats")]  # every replica
+        pools = [s["pool"] for s in await engine.every_trainer(m.name).stats()]  # every replica
         used = sum(int(p["resident"]) for p in pools)
         capacity = sum(int(p["capacity"]) for p in pools)
         models.append(
@@ -135,29 +134,25 @@ async def delete_checkpoint_route(
     return {"deleted": path}
 
 
-def _model_dir(config, settings, base_model: str):
-    m = config.model(base_model)
-    if m is None:
+def _served(config, base_model: str) -> None:
+    if config.model(base_model) is None:
         raise InvalidRequestError(
             f"base_model: {base_model!r} is not served here; available: "
             f"{[x.name for x in config.models]}"
         )
-    return m.files_dir(settings.data_dir)  # built by the engine (torch-free gateway)
 
 
 @router.get("/tokenizer")
 async def tokenizer_files(
-    who: PrincipalDep, config: ConfigDep, settings: SettingsDep, base_model: str = Query(...)
+    who: PrincipalDep, config: ConfigDep, engine: EngineDep, base_model: str = Query(...)
 ) -> dict:
-    """The tokenizer files of ``base_model`` a client may download (a client needs no hub)."""
-    d = _model_dir(config, settings, base_model)
+    """The tokenizer files of ``base_model`` a client may download (a client needs no hub); the
+    Sampler, which holds the model, lists and serves them."""
+    _served(config, base_model)
+    files = await engine.sampler(base_model).tokenizer_files()
     return {
         "base_model": base_model,
-        "files": [
-            {"name": f, "size_bytes": (d / f).stat().st_size}
-            for f in TOKENIZER_FILES
-            if (d / f).is_file()
-        ],
+        "files": [{"name": f, "size_bytes": size} for f, size in files.items()],
     }
 
 
@@ -166,13 +161,19 @@ async def tokenizer_file(
     filename: str,
     who: PrincipalDep,
     config: ConfigDep,
-    settings: SettingsDep,
+    engine: EngineDep,
     base_model: str = Query(...),
-) -> FileResponse:
-    d = _model_dir(config, settings, base_model)
-    if filename not in TOKENIZER_FILES or not (d / filename).is_file():
+) -> Response:
+    _served(config, base_model)
+    sampler = engine.sampler(base_model)
+    if filename not in await sampler.tokenizer_files():
         raise NotFoundError(
             f"filename: {filename!r} is not a tokenizer file of {base_model}; "
             f"GET /api/v1/twinkle/tokenizer lists them"
         )
-    return FileResponse(d / filename, filename=filename)
+    media = mimetypes.guess_type(filename)[0] or "text/plain"  # as a FileResponse would say
+    return Response(
+        await sampler.tokenizer_file(filename),
+        media_type=media,
+        headers={"content-disposition": f'attachment; filename="{filename}"'},
+    )

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.protocol import LoraSpec, lora_spec_from_config
+from engine.protocol import LoraSpec
+from engine.rules import lora_spec_from_config
 from gateway.context import RequestContext
 from gateway.db.tables import CheckpointRow, TrainingRunRow
 from gateway.errors import InvalidRequestError, NotFoundError
@@ -60,14 +61,14 @@ class Call:
 
     async def invoke(self, method: str, kwargs: dict) -> Any:
         nm = self.nm
-        return await self.ctx.engine.trainer(
-            nm.base_model, "native_call", nm.model_id, nm.tenant, method, self.adapter, kwargs
+        return await self.ctx.engine.trainer(nm.base_model).native_call(
+            nm.model_id, tenant=nm.tenant, method=method, adapter_name=self.adapter, kwargs=kwargs
         )
 
     async def has_adapter(self) -> bool:
         nm = self.nm
-        names = await self.ctx.engine.trainer(
-            nm.base_model, "native_adapters", nm.model_id, nm.tenant
+        names = await self.ctx.engine.trainer(nm.base_model).native_adapters(
+            nm.model_id, tenant=nm.tenant
         )
         return self.adapter in names
 

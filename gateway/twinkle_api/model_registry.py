@@ -17,7 +17,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from engine.protocol import native_run_id
+from engine.rules import native_run_id
 from gateway.context import services_of
 from gateway.errors import NotFoundError
 from gateway.futures.kv import KV

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
 
-from engine.protocol import NATIVE_MODEL_METHODS
+from engine.rules import NATIVE_MODEL_METHODS
 from gateway.context import ContextDep
 from gateway.deps import EngineDep, PrincipalDep
 from gateway.errors import InvalidRequestError, NotFoundError, NotImplementedOnServerError
@@ -85,7 +85,7 @@ async def create(
         nm = await models.owned(model_id, who.user_id)
     except NotFoundError:
         nm = None
-    info = await engine.trainer(name, "native_create", model_id, str(who.user_id))
+    info = await engine.trainer(name).native_create(model_id, tenant=str(who.user_id))
     if nm is None:
         rank = int(info["max_lora_rank"])
         await models.add(NativeModel(model_id, who.user_id, session.id, name, rank))

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from engine.protocol import native_model_id
+from engine.rules import native_model_id
 from gateway.db.tables import SessionRow
 from gateway.deps import ConfigDep, DbDep, PrincipalDep, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError

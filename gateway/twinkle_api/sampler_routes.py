@@ -38,11 +38,11 @@ from gateway.twinkle_api.native_deps import BaseModelDep, NativeSessionDep
 from gateway.twinkle_api.sampling import (
     IGNORE_INDEX,
     adapter_dir_of,
-    encoder_for,
     feature,
     finite,
     roll,
     sampling_params,
+    template_for,
     unroll,
 )
 from gateway.twinkle_api.schemas import (
@@ -86,7 +86,9 @@ async def set_template(
 ) -> dict:
     spec = TemplateSpec(name=req.template_cls, kwargs=dict(req.model_extra or {}))
     check_template(spec.name, spec.kwargs, "template_cls")
-    encoder_for(ctx.config, ctx.settings, name, spec)  # the tokenizer speaks it
+    template = template_for(ctx.config, ctx.engine, name, spec)
+    # the model's template renders a conversation with these options (else a 400 now, not later)
+    await template.encode({"messages": [{"role": "user", "content": "hi"}]}, field="template_cls")
     payload = json.dumps(spec.model_dump()).encode()
     await ctx.kv.set(_template_key(session.id, name), payload, TEMPLATE_TTL_S)
     return {"status": "ok"}
@@ -125,13 +127,13 @@ def _request_parts(req: SampleRequest, db, who, base: str):
 async def _prepare(ctx: RequestContext, name: str, session_id: str, req: SampleRequest):
     """The encoder, inputs, prompts (and their engine parts, images checked against the caps)
     and sampling parameters of a sample request."""
-    enc = encoder_for(ctx.config, ctx.settings, name, await _template(ctx, session_id, name))
+    enc = template_for(ctx.config, ctx.engine, name, await _template(ctx, session_id, name))
     inputs = _inputs(req)
     sp, params, n, adapter_dir = _request_parts(req, ctx.db, ctx.who, name)
-    prompts = [enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
+    prompts = [await enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
     # the engine's view: text tokens and the images at their places (VL models)
     engine_prompts = [
-        enc.sample_input_parts(item, p, f"inputs[{i}]")
+        await enc.sample_input_parts(item, p, f"inputs[{i}]")
         for i, (item, p) in enumerate(zip(inputs, prompts, strict=True))
     ]
     model_cfg = ctx.config.model(name)
@@ -157,9 +159,7 @@ async def sample(
         await adm.meter(name, sum(map(len, prompts)), params.max_tokens * n * len(prompts))
         outs = await asyncio.gather(
             *(
-                ctx.engine.sampler(
-                    name,
-                    "sample",
+                ctx.engine.sampler(name, affinity=adapter_dir).sample(
                     SampleInput(
                         prompt_tokens=p,
                         prompt_images=parts,
@@ -167,8 +167,7 @@ async def sample(
                         params=params,
                         prompt_logprobs=bool(sp.prompt_logprobs),
                         adapter_dir=adapter_dir,
-                    ),
-                    affinity=adapter_dir,
+                    )
                 )
                 for p, parts in engine_prompts
             )
@@ -179,7 +178,7 @@ async def sample(
         seqs = []
         for s in out.sequences:
             toks, lps = list(s.tokens), [float(x) for x in s.logprobs]
-            text = enc.decode(toks)
+            text = await enc.decode(toks)
             seqs.append(
                 {
                     "stop_reason": s.stop_reason,
@@ -207,15 +206,15 @@ async def sample_stream(
 ) -> StreamingResponse:
     """One input, one sample, streamed as NDJSON lines ``{"delta", "finish_reason"}`` while the
     engine generates (upstream's shape); the last line has the finish reason."""
-    enc = encoder_for(ctx.config, ctx.settings, name, await _template(ctx, session.id, name))
+    enc = template_for(ctx.config, ctx.engine, name, await _template(ctx, session.id, name))
     inputs = _inputs(req)
     sp, params, n, adapter_dir = _request_parts(req, ctx.db, ctx.who, name)
     if len(inputs) != 1 or n != 1:
         raise InvalidRequestError("inputs: sample_stream takes one input and num_samples 1")
-    prompt = enc.prompt_tokens(inputs[0], "inputs[0]")
+    prompt = await enc.prompt_tokens(inputs[0], "inputs[0]")
     async with metering.admitted(ctx, session.id) as adm:
         await adm.meter(name, len(prompt), params.max_tokens)
-        text, parts = enc.sample_input_parts(inputs[0], prompt, "inputs[0]")
+        text, parts = await enc.sample_input_parts(inputs[0], prompt, "inputs[0]")
         inp = SampleInput(
             prompt_tokens=text,
             prompt_images=parts,

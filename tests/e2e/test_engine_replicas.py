@@ -51,28 +51,28 @@ SCRIPT = textwrap.dedent(
                 "target_tokens": np.array(toks[1:]), "weights": np.ones(len(toks) - 1)})])
             models = [f"run-{i}" for i in range(6)]
             for m in models:
-                await c.trainer(BASE, "create_adapter", m, LoraSpec(rank=4, seed=1), "u")
+                await c.trainer(BASE).create_adapter(m, spec=LoraSpec(rank=4, seed=1), tenant="u")
             losses = []
             for m in models:
-                fb = await c.trainer(BASE, "forward_backward", m, 1, inp)
-                await c.trainer(BASE, "optim_step", m, 2, AdamParams(learning_rate=1e-3))
+                fb = await c.trainer(BASE).forward_backward(m, seq_id=1, inp=inp)
+                await c.trainer(BASE).optim_step(m, seq_id=2, params=AdamParams(learning_rate=1e-3))
                 losses.append(float(fb.metrics["loss:sum"]))
             out["losses"] = losses
-            out["resident"] = [s["pool"]["resident"] for s in await c.trainer_all(BASE, "stats")]
+            out["resident"] = [s["pool"]["resident"] for s in await c.every_trainer(BASE).stats()]
             sample = SampleInput(prompt_tokens=[5, 6, 7], num_samples=1,
                                  params=SamplingParams(max_tokens=2, temperature=0))
             per_session = {}
             for sess in ["sess-a", "sess-b", "sess-c", "sess-d"]:
-                before = [s["requests"] for s in await c.sampler_all(BASE, "stats")]
+                before = [s["requests"] for s in await c.every_sampler(BASE).stats()]
                 for _ in range(5):
-                    await c.sampler(BASE, "sample", sample, affinity=sess)
-                after = [s["requests"] for s in await c.sampler_all(BASE, "stats")]
+                    await c.sampler(BASE, affinity=sess).sample(sample)
+                after = [s["requests"] for s in await c.every_sampler(BASE).stats()]
                 per_session[sess] = [a - b for a, b in zip(after, before)]
             out["per_session"] = per_session
-            before = [s["requests"] for s in await c.sampler_all(BASE, "stats")]
+            before = [s["requests"] for s in await c.every_sampler(BASE).stats()]
             for _ in range(30):
-                await c.sampler(BASE, "sample", sample)
-            after = [s["requests"] for s in await c.sampler_all(BASE, "stats")]
+                await c.sampler(BASE).sample(sample)
+            after = [s["requests"] for s in await c.every_sampler(BASE).stats()]
             out["unkeyed"] = [a - b for a, b in zip(after, before)]
             return out
 

@@ -443,7 +443,7 @@ def test_trainer_replica_killed_mid_step_resumes_to_the_same_loss(fault_server) 
     time.sleep(0.5)  # the first step is running
     name, t_kill = killer.kill()
     # a step sent after the kill: Serve would hold it for the replica's successor (36 s on a loaded
-    # CI host); the gateway fails it at once (gateway/replica_loss.py)
+    # CI host); the gateway fails it at once (gateway/engine_client/replica_loss.py)
     pending.append(tc.forward_backward(data, "cross_entropy"))
     messages, done_before = [], 0
     for f in pending:

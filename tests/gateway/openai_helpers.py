@@ -23,25 +23,41 @@ MESSAGES = [
 ]
 
 
+class _GatedSampler:
+    """The real Sampler, whose ``sample`` and ``sample_stream`` wait for ``owner.gate`` (and
+    release ``owner.entered`` when they arrive); every other method is the Sampler's own."""
+
+    def __init__(self, sampler, owner: GatedEngineClient) -> None:
+        self._sampler, self._owner = sampler, owner
+
+    def __getattr__(self, name: str):
+        return getattr(self._sampler, name)
+
+    async def _wait(self) -> None:
+        self._owner.entered.release()
+        await asyncio.to_thread(self._owner.gate.wait, 30)
+
+    async def sample(self, inp):
+        await self._wait()
+        return await self._sampler.sample(inp)
+
+    async def sample_stream(self, inp):
+        await self._wait()
+        async for item in self._sampler.sample_stream(inp):
+            yield item
+
+
 class GatedEngineClient(EngineClient):
-    """An in-process engine client whose `sample` calls wait until the test opens the gate."""
+    """An in-process engine client whose sampling calls wait until the test opens the gate."""
 
     def __init__(self, engines: dict) -> None:
-        super().__init__(engines, ray_handles=False)
+        gated = {
+            base: {**roles, "sampler": _GatedSampler(roles["sampler"], self)}
+            for base, roles in engines.items()
+        }
+        super().__init__(gated, ray_handles=False)
         self.gate = threading.Event()
         self.entered = threading.Semaphore(0)
-
-    async def sampler(self, base_model: str, method: str, *args, affinity=None):
-        if method == "sample":
-            self.entered.release()
-            await asyncio.to_thread(self.gate.wait, 30)
-        return await super().sampler(base_model, method, *args, affinity=affinity)
-
-    async def sampler_stream(self, base_model: str, method: str, *args, affinity=None):
-        self.entered.release()
-        await asyncio.to_thread(self.gate.wait, 30)
-        async for item in super().sampler_stream(base_model, method, *args, affinity=affinity):
-            yield item
 
 
 def openai_env(make_gateway, limited: bool = False) -> SimpleNamespace:

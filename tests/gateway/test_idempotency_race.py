@@ -105,9 +105,9 @@ def _slow_and_count(app, trainer) -> tuple[list, list]:
         charges.append(amount)
         return await charge(checks, amount)
 
-    async def counted_fb(model_id, seq_id, *args):
+    async def counted_fb(model_id, *, seq_id, inp):
         calls.append(seq_id)
-        return await fb(model_id, seq_id, *args)
+        return await fb(model_id, seq_id, inp)
 
     store.charge = slow_charge
     trainer.forward_backward = counted_fb

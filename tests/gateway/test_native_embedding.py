@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.protocol import EMBEDDING_LOSS_FNS
+from engine.rules import EMBEDDING_LOSS_FNS
 from gateway.errors import InvalidRequestError
 from tests.gateway.test_native_protocol import LORA, M, User
 from tests.twinkle_scripts import BASE, result

@@ -9,7 +9,7 @@ import pytest
 from sqlmodel import Session
 
 from engine.errors import UserInputError
-from engine.protocol import lora_spec_from_config
+from engine.rules import lora_spec_from_config
 from gateway.db import make_engine
 from gateway.db.tables import TrainingRunRow
 from tests.gateway.harness import BASE, _headers, session, wait_future

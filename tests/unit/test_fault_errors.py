@@ -12,8 +12,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from engine.backends.checkpoint_io import write_checkpoint_dir
 from engine.errors import ReplicaLostError, StorageFullError, UserInputError
+from engine.protocol import ForwardBackwardInput
 from gateway.engine_client import EngineClient
 from tests.e2e.fault_services import mount_tmpfs, unmount
+
+FB = ForwardBackwardInput(data=[])
 
 
 @pytest.fixture
@@ -59,7 +62,7 @@ class _Method:
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
 
-    def remote(self, *args):
+    def remote(self, *args, **kwargs):
         async def fail():
             raise self.exc
 
@@ -80,7 +83,7 @@ class _DeadReplica:
 def test_a_dead_replica_is_replica_lost_saying_what_to_do(exc: Exception) -> None:
     client = EngineClient({"m": {"trainer": _DeadReplica(exc)}}, ray_handles=True)
     with pytest.raises(ReplicaLostError) as err:
-        asyncio.run(client.trainer("m", "forward_backward", "model-1", 3))
+        asyncio.run(client.trainer("m").forward_backward("model-1", seq_id=3, inp=FB))
     msg = str(err.value)
     assert "forward_backward" in msg and "load your last checkpoint" in msg
     assert err.value.category == "server"
@@ -90,4 +93,4 @@ def test_an_engine_error_inside_a_ray_task_error_is_still_unwrapped() -> None:
     wrapped = RayTaskError("f", "tb", UserInputError("data[0]: bad"))
     client = EngineClient({"m": {"trainer": _DeadReplica(wrapped)}}, ray_handles=True)
     with pytest.raises(UserInputError, match="data"):
-        asyncio.run(client.trainer("m", "forward_backward", "model-1", 3))
+        asyncio.run(client.trainer("m").forward_backward("model-1", seq_id=3, inp=FB))

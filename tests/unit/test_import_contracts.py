@@ -2,10 +2,10 @@
 and inside the gateway: API dialects apart from each other, above `gateway.training`.
 
 * At run time: ``import gateway.main`` (and ``gateway.cli``) in a fresh interpreter loads no
-  torch stack and no engine module beyond protocol / errors / config.
+  torch stack and no engine module beyond protocol / rules / errors / config.
 * Statically: the import-linter contracts in ``.importlinter`` are all kept, every one of them is
   checked (none silently dropped), the gateway's forbidden list covers every engine module except
-  the three it may use, and a module that breaks a contract makes ``lint-imports`` fail.
+  the four it may use, and a module that breaks a contract makes ``lint-imports`` fail.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
-GATEWAY_MAY_IMPORT = {"engine.protocol", "engine.errors", "engine.config"}
+GATEWAY_MAY_IMPORT = {"engine.protocol", "engine.rules", "engine.errors", "engine.config"}
 HEAVY = ("torch", "transformers", "safetensors", "peft", "vllm")
 
 
@@ -64,7 +64,7 @@ def test_gateway_imports_no_torch_and_no_engine_internals():
     assert out.returncode == 0, out.stderr[-3000:]
 
 
-def test_forbidden_list_covers_every_engine_module_but_the_three():
+def test_forbidden_list_covers_every_engine_module_but_the_four():
     import engine
 
     children = {f"engine.{m.name}" for m in pkgutil.iter_modules(engine.__path__)}

@@ -1,16 +1,11 @@
-"""Native-model names (engine/protocol.py) and how the gateway routes them: a native model's
+"""Native-model names (engine/rules.py) and how the gateway routes them: a native model's
 adapter runs reach the Trainer replica that hosts the model (engine/native/host.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from engine.protocol import (
-    NATIVE_MODEL_METHODS,
-    native_model_id,
-    native_run_id,
-    trainer_route_key,
-)
+from engine.rules import NATIVE_MODEL_METHODS, native_model_id, native_run_id, trainer_route_key
 from gateway.engine_client import EngineClient, pick_replica
 
 
@@ -18,8 +13,8 @@ class _Echo:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    async def whoami(self, *args):
-        return self.name
+    async def status(self, model_id: str, seq_id: int) -> dict:
+        return {"replica": self.name}
 
 
 def test_native_runs_route_with_their_model_and_nothing_else_moves():
@@ -40,8 +35,10 @@ def test_engine_client_sends_a_native_run_to_its_models_replica():
     async def run():
         for mid in ids:
             want = f"t{pick_replica(4, mid)}"
-            assert await client.trainer("m", "whoami", mid) == want
-            assert await client.trainer("m", "whoami", native_run_id(mid, "default")) == want
+            trainer = client.trainer("m")
+            assert (await trainer.status(mid, seq_id=0))["replica"] == want
+            run = native_run_id(mid, "default")
+            assert (await trainer.status(run, seq_id=0))["replica"] == want
 
     asyncio.run(run())
     assert len({pick_replica(4, m) for m in ids}) > 1  # the models spread over the replicas

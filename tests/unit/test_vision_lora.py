@@ -19,15 +19,8 @@ from engine.backends.lora import lora_layers
 from engine.backends.sample_torch import TorchSamplingBackend
 from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import UserInputError
-from engine.protocol import (
-    VISION_TARGETS,
-    AdamParams,
-    ForwardBackwardInput,
-    LoraSpec,
-    SampleInput,
-    SamplingParams,
-    lora_spec_from_config,
-)
+from engine.protocol import AdamParams, ForwardBackwardInput, LoraSpec, SampleInput, SamplingParams
+from engine.rules import VISION_TARGETS, lora_spec_from_config
 from tests.factories import png
 from tests.unit.test_vision_training import _tok, image_datum, peft_image_logits, text_datum
 

@@ -14,7 +14,8 @@ import pytest
 
 from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import UserInputError
-from engine.protocol import VISION_TARGETS, DatumInput, ForwardBackwardInput, ImagePart, LoraSpec
+from engine.protocol import DatumInput, ForwardBackwardInput, ImagePart, LoraSpec
+from engine.rules import VISION_TARGETS
 from tests.factories import png
 from tests.unit.training_backend_helpers import assert_logprobs_close
 

@@ -5,8 +5,10 @@ One Trainer replica drives ``tensor_parallel × pipeline_parallel`` ranks. With 
 then belong to that process, which serves nothing else). With more, each rank is a Ray actor in
 a STRICT_PACK placement group (one node: GPUs with nccl on a GPU host, CPUs with gloo here); the
 actors rendezvous on rank 0's address and every public method fans out to all of them with the
-same arguments (SPMD) and returns rank 0's result. Ranks raise the same EngineError for the same
-input (validation runs before any collective), so rank 0's error is every rank's error.
+same arguments (SPMD) and returns rank 0's result. A method travels as a typed call on the worker
+(``lambda w: w.forward_backward(adapter_id, inp)``, pickled to each rank), so pyright checks it
+against `MegatronWorker` as it checks the one-rank path. Ranks raise the same EngineError for the
+same input (validation runs before any collective), so rank 0's error is every rank's error.
 
 Everything above the backend (scheduler, fairness, adapter pool offload, futures, quotas,
 checkpoints, samplers) works unchanged: this class implements the same contract as the
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.backends.base import GradOp, TrainingBackend
 from engine.backends.megatron import compat
@@ -32,6 +34,13 @@ from engine.protocol import (
     LoraSpec,
     OptimStepOutput,
 )
+
+if TYPE_CHECKING:
+    from engine.backends.megatron.worker import MegatronWorker
+
+T = TypeVar("T")
+#: a call on one rank's worker (its result is that rank's answer)
+WorkerCall = Callable[["MegatronWorker"], T]
 
 log = logging.getLogger(__name__)
 #: how long the rank actors may wait for their placement group before the replica gives up
@@ -57,8 +66,8 @@ class _RankActor:
 
         return self._guard("start", lambda: MegatronWorker(model_dir, **kwargs), keep=True)
 
-    def call(self, name: str, args: tuple, kwargs: dict) -> tuple[str, Any]:
-        return self._guard(name, lambda: getattr(self.worker, name)(*args, **kwargs))
+    def call(self, label: str, fn: WorkerCall[Any]) -> tuple[str, Any]:
+        return self._guard(label, lambda: fn(self.worker))
 
     def _guard(self, name: str, fn, keep: bool = False) -> tuple[str, Any]:
         try:
@@ -108,7 +117,7 @@ class MegatronTrainingBackend(TrainingBackend):
             "params_dtype": params_dtype,
             "recompute": recompute,
         }
-        self._local: Any = None
+        self._local: MegatronWorker | None = None
         self._actors: list[Any] = []
         self._pg: Any = None
         if self.world_size == 1:
@@ -160,16 +169,18 @@ class MegatronTrainingBackend(TrainingBackend):
                 self.close()
                 raise value
 
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    def _ranks(self, label: str, fn: WorkerCall[T]) -> T:
+        """``fn(worker)`` on every rank (SPMD); rank 0's result. ``label`` names the call in
+        errors and logs."""
         if self._local is not None:
-            return getattr(self._local, name)(*args, **kwargs)
+            return fn(self._local)
         import ray
         from ray.exceptions import RayError
 
         try:
-            results = ray.get([a.call.remote(name, args, kwargs) for a in self._actors])
+            results = ray.get([a.call.remote(label, fn) for a in self._actors])
         except RayError as e:
-            raise BackendError(f"megatron {name}: a rank died: {type(e).__name__}: {e}") from None
+            raise BackendError(f"megatron {label}: a rank died: {type(e).__name__}: {e}") from None
         kind, value = results[0]
         if kind == "err":
             raise value
@@ -195,43 +206,44 @@ class MegatronTrainingBackend(TrainingBackend):
     # ------------------------------------------------------------------------------- contract
 
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
-        self._call("create_adapter", adapter_id, spec)
+        self._ranks("create_adapter", lambda w: w.create_adapter(adapter_id, spec))
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return bool(self._call("has_adapter", adapter_id))
+        return bool(self._ranks("has_adapter", lambda w: w.has_adapter(adapter_id)))
 
     def delete_adapter(self, adapter_id: str) -> None:
-        self._call("delete_adapter", adapter_id)
+        self._ranks("delete_adapter", lambda w: w.delete_adapter(adapter_id))
 
     def adapter_spec(self, adapter_id: str) -> LoraSpec:
-        return self._call("adapter_spec", adapter_id)
+        return self._ranks("adapter_spec", lambda w: w.adapter_spec(adapter_id))
 
     def validate_input(self, inp: ForwardBackwardInput) -> None:
-        self._call("validate_input", inp)
+        self._ranks("validate_input", lambda w: w.validate_input(inp))
 
     def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
-        return self._call("forward_backward", adapter_id, inp)
+        return self._ranks("forward_backward", lambda w: w.forward_backward(adapter_id, inp))
 
     def forward_backward_many(
         self, items: Sequence[tuple[str, ForwardBackwardInput]]
     ) -> list[ForwardBackwardOutput | EngineError]:
-        return self._call("forward_backward_many", list(items))
+        batch = list(items)
+        return self._ranks("forward_backward_many", lambda w: w.forward_backward_many(batch))
 
     def synchronize(self) -> None:
         if self._gpu:
-            self._call("synchronize")
+            self._ranks("synchronize", lambda w: w.synchronize())
 
     def device_fingerprint(self) -> dict:
-        return self._call("device_fingerprint")
+        return self._ranks("device_fingerprint", lambda w: w.device_fingerprint())
 
     def has_pending_grad(self, adapter_id: str) -> bool:
-        return bool(self._call("has_pending_grad", adapter_id))
+        return bool(self._ranks("has_pending_grad", lambda w: w.has_pending_grad(adapter_id)))
 
     def adapter_grad(self, adapter_id: str, op: GradOp) -> float | None:
-        return self._call("adapter_grad", adapter_id, op)
+        return self._ranks("adapter_grad", lambda w: w.adapter_grad(adapter_id, op))
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
-        return self._call("optim_step", adapter_id, params)
+        return self._ranks("optim_step", lambda w: w.optim_step(adapter_id, params))
 
     def save_state(
         self,
@@ -241,19 +253,25 @@ class MegatronTrainingBackend(TrainingBackend):
         include_optimizer: bool,
         age_recipients: Sequence[str] = (),
     ) -> int:
+        recipients = tuple(age_recipients)
         return int(
-            self._call(
+            self._ranks(
                 "save_state",
-                adapter_id,
-                directory,
-                include_optimizer=include_optimizer,
-                age_recipients=tuple(age_recipients),
+                lambda w: w.save_state(
+                    adapter_id,
+                    directory,
+                    include_optimizer=include_optimizer,
+                    age_recipients=recipients,
+                ),
             )
         )
 
     def load_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> LoraSpec:
-        return self._call("load_state", adapter_id, directory, include_optimizer=include_optimizer)
+        return self._ranks(
+            "load_state",
+            lambda w: w.load_state(adapter_id, directory, include_optimizer=include_optimizer),
+        )
 
     def export_adapter(self, adapter_id: str, *, grad: bool = False) -> dict:
         """Full PEFT tensors (or gradients) of an adapter as numpy: for tests and debugging."""
-        return self._call("export_adapter", adapter_id, grad=grad)
+        return self._ranks("export_adapter", lambda w: w.export_adapter(adapter_id, grad=grad))

@@ -1,6 +1,8 @@
-"""The gateway's only path to the engine.
+"""The transport under the typed engine facades: which replica a call reaches, and how.
 
-`EngineClient` routes a call to the Trainer or Sampler of a base model. Two transports: Ray Serve
+Owns: `EngineClient` (the engines of every base model; hands out the facades of
+gateway/engine_client/facades.py, which are the gateway's only way to call the engine) and
+`pick_replica`. Two transports: Ray Serve
 deployment handles (production) and in-process engine objects (tests, a single-process server).
 Engine errors come back as the engine's own (picklable) exceptions; Ray wraps them in
 `RayTaskError`, which we unwrap here so the gateway maps one hierarchy to HTTP. A replica that dies
@@ -10,8 +12,8 @@ client should do (resume from its last checkpoint), instead of an anonymous inte
 Replicas: a role may have several replicas (``engines[base]["trainer"]`` is then a list, one
 single-replica Serve deployment each, see engine/app.py). An adapter lives in one Trainer replica,
 so every call about a model must reach the same one: we route by rendezvous hashing of the model
-id (the first argument of every per-model Trainer method; a native model's adapter runs route with
-their native model, `engine.protocol.trainer_route_key`, since its Trainer replica hosts them
+id, which each `TrainerClient` method names explicitly (a native model's adapter runs route with
+their native model, `engine.rules.trainer_route_key`, since its Trainer replica hosts them
 all). Sampler calls route by their ``affinity`` key (a sampling session id, an adapter path) the
 same way, so a session sticks to one replica and its adapter stays in that replica's cache;
 calls without a key go to any replica. Ray Serve's own routing cannot do this: its replicas are
@@ -19,7 +21,7 @@ interchangeable and its model-multiplexing routing is best effort (a new key's f
 land anywhere).
 
 A dead Trainer replica fails its models' calls at once instead of after its restart
-(`gateway.replica_loss.ReplicaLoss`).
+(`gateway.engine_client.replica_loss.ReplicaLoss`).
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from engine.errors import EngineError
-from engine.protocol import trainer_route_key
+from engine.rules import trainer_route_key
+from gateway.engine_client.facades import EveryReplica, SamplerClient, TrainerClient
+from gateway.engine_client.replica_loss import NO_STATE, ReplicaLoss, replica_lost
 from gateway.futures.kv import KV
-from gateway.replica_loss import NO_STATE, ReplicaLoss, replica_lost
+
+Role = Literal["trainer", "sampler"]
 
 
 def pick_replica(n: int, key: str | None) -> int:
@@ -70,50 +75,56 @@ class EngineClient:
     def serves(self, base_model: str) -> bool:
         return base_model in self._engines
 
-    def replicas(self, base_model: str, role: str) -> list[Any]:
+    def replicas(self, base_model: str, role: Role) -> list[Any]:
+        """The raw targets of ``role`` (in-process objects or Serve handles), in replica order."""
         target = self._engines[base_model][role]
         return list(target) if isinstance(target, list | tuple) else [target]
 
-    def _target(self, base_model: str, role: str, key: str | None) -> Any:
-        targets = self.replicas(base_model, role)
-        return targets[pick_replica(len(targets), key)]
+    # -- the typed facades: the gateway's only way to call the engine ---------------------------
+    def trainer(self, base_model: str) -> TrainerClient:
+        """The Trainer of ``base_model``; each call goes to the replica holding its model."""
+        return TrainerClient(self, base_model)
 
-    async def trainer(self, base_model: str, method: str, *args: Any) -> Any:
-        """Call the Trainer replica that holds the model named by ``args[0]`` (any replica for
-        calls without a model id, e.g. ``info``)."""
-        key = trainer_route_key(args[0]) if args and isinstance(args[0], str) else None
+    def sampler(self, base_model: str, *, affinity: str | None = None) -> SamplerClient:
+        """A Sampler replica of ``base_model``; clients with the same ``affinity`` (a sampling
+        session id, an adapter path) reach the same replica, None any replica."""
+        return SamplerClient(self, base_model, affinity)
+
+    def every_trainer(self, base_model: str) -> EveryReplica:
+        """Every Trainer replica of ``base_model`` (``info``, ``stats``: one answer each)."""
+        return EveryReplica(self, self.replicas(base_model, "trainer"))
+
+    def every_sampler(self, base_model: str) -> EveryReplica:
+        """Every Sampler replica of ``base_model`` (one answer each)."""
+        return EveryReplica(self, self.replicas(base_model, "sampler"))
+
+    # -- transport (used by the facades only) ---------------------------------------------------
+    async def _trainer_call(
+        self, base_model: str, model_id: str | None, method: str, args: tuple, kwargs: dict
+    ) -> Any:
+        """Call the Trainer replica that holds ``model_id`` (its route key,
+        `engine.rules.trainer_route_key`); any replica without one (``info``)."""
+        key = None if model_id is None else trainer_route_key(model_id)
         targets = self.replicas(base_model, "trainer")
         index = pick_replica(len(targets), key)
+        call = self._call(targets[index], method, args, kwargs)
         if key is None or not self._ray or method in NO_STATE:
-            return await self._call(targets[index], method, args)
-        return await self._loss.call(
-            (base_model, index), key, method, self._call(targets[index], method, args)
-        )
+            return await call
+        return await self._loss.call((base_model, index), key, method, call)
 
-    async def trainer_all(self, base_model: str, method: str, *args: Any) -> list[Any]:
-        """Call every Trainer replica (e.g. ``stats``), in replica order."""
-        return [await self._call(t, method, args) for t in self.replicas(base_model, "trainer")]
+    def _sampler_target(self, base_model: str, affinity: str | None) -> Any:
+        targets = self.replicas(base_model, "sampler")
+        return targets[pick_replica(len(targets), affinity)]
 
-    async def sampler_all(self, base_model: str, method: str, *args: Any) -> list[Any]:
-        """Call every Sampler replica, in replica order."""
-        return [await self._call(t, method, args) for t in self.replicas(base_model, "sampler")]
-
-    async def sampler(
-        self, base_model: str, method: str, *args: Any, affinity: str | None = None
-    ) -> Any:
-        """Call a Sampler replica; calls with the same ``affinity`` reach the same replica."""
-        return await self._call(self._target(base_model, "sampler", affinity), method, args)
-
-    async def sampler_stream(
-        self, base_model: str, method: str, *args: Any, affinity: str | None = None
+    async def _stream(
+        self, target: Any, method: str, args: tuple, kwargs: dict
     ) -> AsyncIterator[Any]:
-        """Iterate an async-generator method of the Sampler (Ray Serve: a streaming call)."""
-        target = self._target(base_model, "sampler", affinity)
+        """Iterate an async-generator method of ``target`` (Ray Serve: a streaming call)."""
         if not self._ray:
-            async for item in getattr(target, method)(*args):
+            async for item in getattr(target, method)(*args, **kwargs):
                 yield item
             return
-        gen = getattr(target.options(stream=True), method).remote(*args)
+        gen = getattr(target.options(stream=True), method).remote(*args, **kwargs)
         try:
             async for item in gen:
                 yield item
@@ -122,11 +133,11 @@ class EngineClient:
             _reraise_replica_lost(exc, method)
             raise
 
-    async def _call(self, target: Any, method: str, args: tuple) -> Any:
+    async def _call(self, target: Any, method: str, args: tuple, kwargs: dict) -> Any:
         if not self._ray:
-            return await getattr(target, method)(*args)
+            return await getattr(target, method)(*args, **kwargs)
         try:
-            return await getattr(target, method).remote(*args)
+            return await getattr(target, method).remote(*args, **kwargs)
         except Exception as exc:
             _reraise_engine_error(exc)
             _reraise_replica_lost(exc, method)

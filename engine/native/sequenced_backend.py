@@ -4,21 +4,23 @@ The native API runs the engine's own `MultiLoraTransformersModel` (engine/local/
 remote script gets exactly the in-process class's semantics. Its compute goes through this
 backend to the Trainer's public coroutines, so native work is ordered, fairly scheduled and
 pooled like Tinker work: each adapter name of a native model is one Trainer adapter (the run
-``{model_id}:{adapter_name}``, `engine.protocol.native_run_id`) with its own seq_id sequence
+``{model_id}:{adapter_name}``, `engine.rules.native_run_id`) with its own seq_id sequence
 (0 = creation), under the owner's tenant.
 
 The model class is synchronous, so the host drives it on a worker thread; this backend hands each
 call to the Trainer's event loop and waits for it (`asyncio.run_coroutine_threadsafe`). The loop
-never waits for the worker, so this cannot deadlock.
+never waits for a worker, so this cannot deadlock; a call made on the loop's own thread would
+(it would block the loop that has to run it), so it is refused (`ReentrantCallError`). The path
+is drawn in engine/native/__init__.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from engine.backends.base import TrainingBackend
+from engine.backends.base import GradOp, TrainingBackend
 from engine.errors import AdapterNotFoundError
 from engine.protocol import (
     AdamParams,
@@ -26,14 +28,24 @@ from engine.protocol import (
     ForwardBackwardOutput,
     LoraSpec,
     OptimStepOutput,
-    native_run_id,
 )
+from engine.rules import native_run_id
 
 if TYPE_CHECKING:
     from engine.trainer import Trainer
 
+T = TypeVar("T")
 
-class TrainerBackend(TrainingBackend):
+
+class ReentrantCallError(RuntimeError):
+    """A native model's compute was called on the Trainer's event-loop thread: waiting there for
+    the loop to run it would block forever."""
+
+
+class SequencedTrainerBackend(TrainingBackend):
+    """The `TrainingBackend` of one hosted native model: each call is a sequenced Trainer call
+    (its adapter's next seq_id), run on the Trainer's event loop and waited for here."""
+
     def __init__(
         self, trainer: Trainer, loop: asyncio.AbstractEventLoop, *, model_id: str, tenant: str
     ) -> None:
@@ -53,9 +65,20 @@ class TrainerBackend(TrainingBackend):
     def run_ids(self) -> list[str]:
         return list(self._next_seq)
 
-    def _call(self, method: str, *args: Any) -> Any:
-        coro = getattr(self._trainer, method)(*args)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _wait(self, call: Coroutine[Any, Any, T]) -> T:
+        """Run a Trainer coroutine on the Trainer's loop and wait for it on this (worker) thread."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # no loop on this thread: a worker, as it should be
+            running = None
+        if running is self._loop:
+            call.close()
+            raise ReentrantCallError(
+                f"native model {self.model_id}: its compute was called on the Trainer's event "
+                "loop thread, which would wait for itself; drive the model from a worker thread "
+                "(NativeModelHost does)"
+            )
+        return asyncio.run_coroutine_threadsafe(call, self._loop).result()
 
     def _seq(self, adapter_name: str) -> tuple[str, int]:
         rid = self.run_id(adapter_name)
@@ -68,7 +91,7 @@ class TrainerBackend(TrainingBackend):
     # -- lifecycle -----------------------------------------------------------------------------
     def create_adapter(self, adapter_id: str, spec: LoraSpec) -> None:
         rid = self.run_id(adapter_id)
-        self._call("create_adapter", rid, spec, self.tenant)
+        self._wait(self._trainer.create_adapter(rid, spec, self.tenant))
         self._next_seq[rid], self._specs[rid] = 1, spec
 
     def has_adapter(self, adapter_id: str) -> bool:
@@ -77,7 +100,7 @@ class TrainerBackend(TrainingBackend):
     def delete_adapter(self, adapter_id: str) -> None:
         rid = self.run_id(adapter_id)
         if self._next_seq.pop(rid, None) is not None:
-            self._call("delete_adapter", rid)
+            self._wait(self._trainer.delete_adapter(rid))
         self._specs.pop(rid, None)
 
     def adapter_spec(self, adapter_id: str) -> LoraSpec:
@@ -89,11 +112,11 @@ class TrainerBackend(TrainingBackend):
     # -- sequenced work ------------------------------------------------------------------------
     def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
         rid, seq = self._seq(adapter_id)
-        return self._call("forward_backward", rid, seq, inp)
+        return self._wait(self._trainer.forward_backward(rid, seq, inp))
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> OptimStepOutput:
         rid, seq = self._seq(adapter_id)
-        return self._call("optim_step", rid, seq, params)
+        return self._wait(self._trainer.optim_step(rid, seq, params))
 
     def save_state(
         self,
@@ -104,22 +127,23 @@ class TrainerBackend(TrainingBackend):
         age_recipients: Sequence[str] = (),
     ) -> int:
         rid, seq = self._seq(adapter_id)
-        return int(
-            self._call("save_state", rid, seq, directory, include_optimizer, tuple(age_recipients))
+        return self._wait(
+            self._trainer.save_state(rid, seq, directory, include_optimizer, tuple(age_recipients))
         )
 
     def load_state(self, adapter_id: str, directory: str, *, include_optimizer: bool) -> LoraSpec:
         rid = self.run_id(adapter_id)
         if rid in self._next_seq:
             rid, seq = self._seq(adapter_id)
-            spec = self._call("load_state", rid, seq, directory, include_optimizer)
+            spec = self._wait(self._trainer.load_state(rid, seq, directory, include_optimizer))
         else:  # create-via-load: the run's seq 0
-            spec = self._call("load_state", rid, None, directory, include_optimizer, self.tenant)
+            load = self._trainer.load_state(rid, None, directory, include_optimizer, self.tenant)
+            spec = self._wait(load)
             self._next_seq[rid] = 1
         self._specs[rid] = spec
         return spec
 
-    def adapter_grad(self, adapter_id: str, op: str) -> float | None:
+    def adapter_grad(self, adapter_id: str, op: GradOp) -> float | None:
         """The accumulated gradient's L2 norm ("norm") or dropping it ("zero"), in seq order."""
         rid, seq = self._seq(adapter_id)
-        return self._call("adapter_grad", rid, seq, op)
+        return self._wait(self._trainer.adapter_grad(rid, seq, op))
