@@ -584,7 +584,7 @@ def main() -> None:
     ap.add_argument(
         "--trainer-threads",
         default="1,default",
-        help="Trainer torch-thread settings to compare, comma-separated (1 = one torch thread in the Trainer)",
+        help="Trainer torch-thread settings to compare, comma-separated (1 = one torch thread)",
     )
     ap.add_argument(
         "--ingress",

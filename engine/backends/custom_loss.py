@@ -27,7 +27,7 @@ import torch
 
 from engine.backends.custom_loss_graph import CompiledLoss, compile_loss, run_loss
 from engine.backends.losses import LossSpec, MetricSums
-from engine.backends.train_batching import Request, _datum
+from engine.backends.train_rows import Request, datum
 from engine.errors import UserInputError
 from engine.protocol import ForwardBackwardInput
 from engine.rules import CUSTOM_LOSS_FN
@@ -69,7 +69,7 @@ def validate_custom_request(
     data = []
     for i, d in enumerate(inp.data):
         f = f"data[{i}]"
-        row = _datum(d, f, SPEC, vocab, max_positions, vision)
+        row = datum(d, f, SPEC, vocab, max_positions, vision)
         if (
             row.targets.ndim != 2
             or (row.two_d and compiled.ranks[0] != 2)

@@ -49,7 +49,8 @@ ARITHMETIC = {
     "operator.invert": operator.invert,
 }
 
-_TORCH_NAMES = (
+#: named both as ``torch.<name>`` and as a tensor method (the same operation either way)
+_SHARED_NAMES = (
     # elementwise
     "exp",
     "exp2",
@@ -146,17 +147,23 @@ _TORCH_NAMES = (
     "chunk",
     "split",
     "unbind",
-    # the same size as a given tensor, stacking, detaching, a literal
+    # detaching, counting
+    "detach",
+    "numel",
+)
+
+#: torch functions only: a tensor the size of a given one, joining tensors, a literal
+_TORCH_ONLY = (
     "zeros_like",
     "ones_like",
     "full_like",
     "stack",
     "cat",
     "concat",
-    "detach",
-    "numel",
     "tensor",
 )
+
+_TORCH_NAMES = _SHARED_NAMES + _TORCH_ONLY
 
 _FUNCTIONAL = {
     # what torch.fx records for torch.nn.functional calls (builtins keep their C names)
@@ -205,100 +212,8 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     **_MATH,
 }
 
-_METHOD_NAMES = (
-    "exp",
-    "exp2",
-    "expm1",
-    "log",
-    "log1p",
-    "log2",
-    "log10",
-    "sqrt",
-    "rsqrt",
-    "square",
-    "abs",
-    "neg",
-    "sign",
-    "sigmoid",
-    "tanh",
-    "relu",
-    "sin",
-    "cos",
-    "erf",
-    "floor",
-    "ceil",
-    "round",
-    "trunc",
-    "reciprocal",
-    "clamp",
-    "clip",
-    "clamp_min",
-    "clamp_max",
-    "minimum",
-    "maximum",
-    "where",
-    "pow",
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "true_divide",
-    "logaddexp",
-    "isfinite",
-    "isnan",
-    "isinf",
-    "nan_to_num",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "eq",
-    "ne",
-    "logical_and",
-    "logical_or",
-    "logical_not",
-    "logical_xor",
-    "masked_fill",
-    "lerp",
-    "sum",
-    "mean",
-    "nansum",
-    "nanmean",
-    "prod",
-    "logsumexp",
-    "amax",
-    "amin",
-    "max",
-    "min",
-    "argmax",
-    "argmin",
-    "std",
-    "var",
-    "norm",
-    "count_nonzero",
-    "all",
-    "any",
-    "cumsum",
-    "cumprod",
-    "softmax",
-    "log_softmax",
-    "topk",
-    "sort",
-    "gather",
-    "index_select",
-    "masked_select",
-    "take_along_dim",
-    "squeeze",
-    "unsqueeze",
-    "reshape",
-    "flatten",
-    "transpose",
-    "permute",
-    "narrow",
-    "select",
-    "chunk",
-    "split",
-    "unbind",
+#: tensor methods only: views, casts, copies and size queries
+_METHOD_ONLY = (
     "view",
     "view_as",
     "reshape_as",
@@ -311,13 +226,13 @@ _METHOD_NAMES = (
     "int",
     "bool",
     "type_as",
-    "detach",
     "clone",
     "contiguous",
     "size",
     "dim",
-    "numel",
 )
+
+_METHOD_NAMES = _SHARED_NAMES + _METHOD_ONLY
 
 #: call_method targets: unbound ``torch.Tensor`` methods, called as ``method(tensor, ...)``
 METHODS: dict[str, Callable[..., Any]] = {n: getattr(torch.Tensor, n) for n in _METHOD_NAMES}

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from engine.backends.losses import MetricSums
 
 if TYPE_CHECKING:
-    from engine.backends.train_batching import Request
+    from engine.backends.train_rows import Request
 
 
 def groups_of(anchor: Sequence[bool]) -> list[tuple[int, int]]:

@@ -81,7 +81,7 @@ from engine.errors import UserInputError
 from engine.rules import REFUSED_LOSS_FNS
 
 if TYPE_CHECKING:
-    from engine.backends.train_batching import Request
+    from engine.backends.train_rows import Request
 
 #: accepted by every loss: forward through the base model only (reference logprobs)
 DISABLE_LORA = "disable_lora"

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.backends import losses
-from engine.backends.train_batching import Request
+from engine.backends.train_rows import Request
 from engine.errors import BackendError, CheckpointError, EngineError, UserInputError
 from engine.protocol import (
     AdamParams,

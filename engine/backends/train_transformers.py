@@ -35,7 +35,7 @@ from engine.backends.lora import (
     remove_adapter,
     save_adapter,
 )
-from engine.backends.train_batching import Datum, micro_batches, pad_rows, validate_request
+from engine.backends.train_batching import micro_batches, pad_rows, validate_request
 from engine.backends.train_common import (
     AdapterPass,
     TrainableAdapter,
@@ -44,6 +44,7 @@ from engine.backends.train_common import (
     finish_load,
     new_optimizer,
 )
+from engine.backends.train_rows import Datum
 from engine.backends.vision import Vision, is_vision_model, load_base_model
 from engine.errors import (
     CheckpointError,
