@@ -14,7 +14,7 @@ from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, replace
 
 from engine.errors import UserInputError
-from engine.protocol import AdamParams, CustomLossGraph, LoraSpec
+from engine.protocol import AdamParams, CustomLossGraph, ForwardBackwardInput, LoraSpec
 from gateway.engine_client import EngineClient
 from gateway.futures.store import ReplayJob, Result, Run
 from gateway.tinker_api.proto_codec import decode_forward_backward, encode_forward_backward_output
@@ -76,14 +76,18 @@ def skip_job(base: str, model_id: str, seq_id: int, message: str) -> ReplayJob:
     )
 
 
-async def _run(engine: EngineClient, job: ReplayJob) -> Result:
+async def _run(
+    engine: EngineClient, job: ReplayJob, decoded: ForwardBackwardInput | None = None
+) -> Result:
     p = job.params
     trainer, model_id = engine.trainer(p["base"]), p["model_id"]
     if job.name == "create_adapter":
         await trainer.create_adapter(model_id, spec=LoraSpec(**p["spec"]), tenant=p["tenant"])
         return "json", {"model_id": model_id, "type": "create_model"}
     if job.name == "forward_backward":
-        _, seq_id, inp = decode_forward_backward(base64.b64decode(p["body"]))
+        # the replica that accepted the request runs the input it already decoded; only a
+        # replica taking the job over parses the body again
+        inp = decoded or decode_forward_backward(base64.b64decode(p["body"]))[2]
         if p.get("custom_loss") is not None:
             inp = replace(inp, custom_loss=_custom_graph(p["custom_loss"]))
         out = await trainer.forward_backward(model_id, seq_id=p["seq_id"], inp=inp)
@@ -98,10 +102,13 @@ async def _run(engine: EngineClient, job: ReplayJob) -> Result:
     raise ValueError(f"unknown job {job.name!r}")
 
 
-def runner(engine: EngineClient, job: ReplayJob) -> ReplayableRun:
-    """The coroutine factory of ``job``, with the job."""
+def runner(
+    engine: EngineClient, job: ReplayJob, decoded: ForwardBackwardInput | None = None
+) -> ReplayableRun:
+    """The coroutine factory of ``job``, with the job. ``decoded``: a forward_backward job's
+    input as the route already parsed it from the job's body (saves a second parse)."""
 
     async def run() -> Result:
-        return await _run(engine, job)
+        return await _run(engine, job, decoded)
 
     return ReplayableRun(job, run)

@@ -20,7 +20,7 @@ from gateway.context import ContextDep, RequestContext
 from gateway.db.tables import TrainingRunRow
 from gateway.deps import owned_run, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
-from gateway.futures.store import ReplayJob, fingerprint
+from gateway.futures.store import fingerprint
 from gateway.images import check_images
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.runs.request_log import trace_tag
@@ -203,15 +203,16 @@ async def forward_backward(request: Request, t: ContextDep) -> dict:
         if inp.loss_fn == CUSTOM_LOSS_FN:  # the session's stored graph travels with the job
             graph = custom_losses.attached_graph(t, run, inp.loss_fn_config)
         job = jobs.forward_backward_job(run.base_model, model_id, seq_id, body, graph)
-        return _metered(t, run, job, n_tokens)
+        return _metered(t, run, jobs.runner(t.engine, job, inp), n_tokens)
 
     rec = await submit_sequenced(t, run, seq_id, fp, kind, prepare)
     return future_json(rec, model_id)
 
 
-def _metered(t: RequestContext, run: TrainingRunRow, job: ReplayJob, n_tokens: int) -> Run:
-    """``job``'s coroutine, recording ``n_tokens`` training tokens in the usage ledger when done."""
-    job_run = jobs.runner(t.engine, job)
+def _metered(
+    t: RequestContext, run: TrainingRunRow, job_run: jobs.ReplayableRun, n_tokens: int
+) -> Run:
+    """``job_run``, recording ``n_tokens`` training tokens in the usage ledger when done."""
     who, ledger = t.who, t.usage
 
     async def run_() -> tuple[str, object]:
@@ -219,7 +220,7 @@ def _metered(t: RequestContext, run: TrainingRunRow, job: ReplayJob, n_tokens: i
         metering.record_training(ledger, who, run.session_id, run.base_model, n_tokens)
         return out
 
-    return jobs.ReplayableRun(job, run_)  # a replica taking over re-runs the job
+    return jobs.ReplayableRun(job_run.job, run_)  # a replica taking over re-runs the job
 
 
 @router.post("/optim_step", **returns(FutureResponse))
