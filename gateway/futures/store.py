@@ -15,12 +15,14 @@ shared KV (Redis) is configured, records (pending and finished), expiry tombston
 idempotency index are mirrored there, so another gateway replica, or this one after a restart,
 still answers retrieve_future and still dedupes a retried seq_id.
 
-Takeover: each replica holds a lease key in the KV. A pending record whose owner's lease is gone
-(the replica died or restarted) is taken over by the first replica asked about it: if the record
-carries a *job* (`ReplayJob`: its engine call as JSON data, see `gateway.tinker_api.jobs`), the new
-replica runs the job again, and the Trainer answers a repeated (model_id, seq_id) with the first
-execution's result (engine/scheduling/exactly_once.py), so nothing runs twice. A record without a
-job (sampling, saves) becomes expired: 410, which makes the SDK resubmit a sample.
+Takeover: each replica holds a lease key in the KV (`gateway.futures.lease`). A pending record
+whose owner's lease is gone (the replica died or restarted) is taken over by the first replica
+asked about it: if the record carries a *job* (`ReplayJob`: its engine call as JSON data, see
+`gateway.tinker_api.jobs`), the new replica runs the job again, and the Trainer answers a repeated
+(model_id, seq_id) with the first execution's result (engine/scheduling/exactly_once.py), so
+nothing runs twice. A record without a job (sampling, saves) becomes expired: 410, which makes the
+SDK resubmit a sample. How long a finished record stays, and its tombstone after that, is
+`gateway.futures.retention`.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from engine.errors import EngineError
 from gateway.futures.kv import KV, MemoryKV
+from gateway.futures.lease import ReplicaLease
 from gateway.futures.record import Claim, FutureRecord, ReplayJob, Result, conflict, fingerprint
+from gateway.futures.retention import RESULT_TTL_S, TOMBSTONE_TTL_S, Retention
 
 __all__ = ["Claim", "FutureRecord", "FutureStore", "ReplayJob", "Result", "fingerprint"]
 
@@ -45,14 +48,8 @@ Run = Callable[[], Awaitable[Result]]
 
 log = logging.getLogger(__name__)
 
-#: a finished future is kept this long for retrieval (the SDK retrieves within seconds)
-RESULT_TTL_S = 3600.0
-#: after expiry, retrieve_future answers 410 (not 404) for this long
-TOMBSTONE_TTL_S = 86400.0
 #: a pending record mirrored to the KV lives at most this long
 PENDING_TTL_S = 86400.0
-#: a replica's lease; a pending record whose owner's lease lapsed is taken over
-LEASE_TTL_S = 5.0
 #: an idempotency claim not yet turned into a future. Claim → submit takes a DB write and a quota
 #: charge (milliseconds); a replica that dies in between blocks the key for at most this long.
 CLAIM_TTL_S = 60.0
@@ -74,17 +71,8 @@ class FutureStore:
         self._tasks: set[asyncio.Task] = set()
         self._kv = kv or MemoryKV()
         self._shared = shared
-        self._tombstones: dict[str, tuple[int, float]] = {}
-        # finished futures in finishing order, so expiry pops the old ones instead of scanning
-        # every record on every request (an hour of results is ~20k records for one tenant
-        # stepping 3 times a second: a scan cost milliseconds per request)
-        self._finished: deque[tuple[float, str]] = deque()
-        # finished futures whose result or error no retrieve_future has answered yet: a drain
-        # waits for these (briefly) and for nothing else
-        self._uncollected: set[str] = set()
-        self.result_ttl_s = result_ttl_s
-        self.replica_id = uuid.uuid4().hex
-        self._lease_task: asyncio.Task | None = None
+        self._retention = Retention(result_ttl_s)
+        self._lease = ReplicaLease(self._kv)
         #: builds the coroutine of a job (set by the app: it needs the engine client)
         self.job_runner: Callable[[ReplayJob], Run] | None = None
         #: awaited once a future that carries ``extra["trace"]`` finishes (set by the app: it
@@ -97,38 +85,34 @@ class FutureStore:
         gauge; other replicas' futures are counted by their own /metrics)."""
         return sum(1 for r in self._futures.values() if not r.done.is_set())
 
+    @property
+    def replica_id(self) -> str:
+        return self._lease.replica_id
+
+    @property
+    def result_ttl_s(self) -> float:
+        return self._retention.result_ttl_s
+
     def uncollected_count(self) -> int:
         """Finished futures of this replica whose result (or error) no retrieve_future has
         answered yet; a draining server gives their clients a moment to collect them."""
-        return len(self._uncollected)
+        return self._retention.uncollected_count()
 
     def collected(self, request_id: str) -> None:
         """A retrieve_future answered this future's result or error."""
-        self._uncollected.discard(request_id)
+        self._retention.collected(request_id)
 
     async def start(self) -> None:
         """Start holding this replica's lease (shared mode only)."""
-        if self._shared and self._lease_task is None:
-            await self._renew_lease()
-            self._lease_task = asyncio.get_running_loop().create_task(self._lease_loop())
-
-    async def _renew_lease(self) -> None:
-        await self._kv.set(f"replica:{self.replica_id}", b"1", LEASE_TTL_S)
-
-    async def _lease_loop(self) -> None:
-        while True:
-            await asyncio.sleep(LEASE_TTL_S / 3)
-            try:
-                await self._renew_lease()
-            except Exception:  # Redis blip: keep trying; others take over only after the TTL
-                log.warning("could not renew replica lease", exc_info=True)
+        if self._shared:
+            await self._lease.start()
 
     async def _maybe_take_over(self, rec: FutureRecord) -> FutureRecord | str:
         """``rec`` (pending, owned elsewhere) is taken over if its owner's lease lapsed: re-run
         locally (a job), or expired (no job). Returns the record to use, or ``"expired"``."""
         if rec.done.is_set() or rec.owner is None or rec.owner == self.replica_id:
             return rec
-        if await self._kv.get(f"replica:{rec.owner}") is not None:
+        if await self._lease.held(rec.owner):
             return rec
         won = await self._kv.set(
             f"takeover:{rec.request_id}", self.replica_id.encode(), 60.0, only_new=True
@@ -244,7 +228,7 @@ class FutureStore:
             return await self._maybe_take_over(rec)
         if rec is not None:
             return rec if rec.user_id == user_id else "missing"
-        tomb = self._tombstones.get(request_id)
+        tomb = self._retention.tombstones.get(request_id)
         if tomb is None and self._shared:
             raw = await self._kv.get(f"gone:{request_id}")
             tomb = (int(raw), 0.0) if raw is not None else None
@@ -353,13 +337,13 @@ class FutureStore:
         except asyncio.CancelledError:
             # Shutting down. Shared mode: leave the record pending; a replica takes it over.
             rec.error, rec.category = "request cancelled (server shutting down)", "server"
-            self._finish(rec)
+            self._retention.finish(rec)
             raise
         except Exception as exc:  # a server fault: never a hang, never a leaked traceback
             log.exception("future %s (%s) failed", rec.request_id, rec.kind)
             rec.error = f"internal error while running {rec.kind}: {type(exc).__name__}"
             rec.category = "server"
-        self._finish(rec)
+        self._retention.finish(rec)
         await self._mirror_finished(rec)
         if self.on_finish is not None and rec.extra.get("trace"):
             try:
@@ -393,39 +377,11 @@ class FutureStore:
                 return None
         return None
 
-    # -- expiry ------------------------------------------------------------------------------------
-    def _finish(self, rec: FutureRecord) -> None:
-        rec.finished_at = time.monotonic()
-        self._finished.append((rec.finished_at, rec.request_id))
-        self._uncollected.add(rec.request_id)
-        rec.done.set()
-
     def _expire(self) -> None:
-        """Drop results older than the TTL (tombstoned), and tombstones older than theirs. Both
-        are kept in age order, so this costs only what expires."""
-        now = time.monotonic()
-        while self._finished and now - self._finished[0][0] > self.result_ttl_s:
-            rid = self._finished.popleft()[1]
-            self._uncollected.discard(rid)
-            rec = self._futures.pop(rid, None)
-            if rec is None:
-                continue
-            self._tombstones[rid] = (rec.user_id, now)
-            if rec.idem_key is not None and self._by_idem.get(rec.idem_key) == rid:
-                self._by_idem.pop(rec.idem_key, None)
-        while self._tombstones:  # insertion order is expiry order
-            oldest = next(iter(self._tombstones))
-            if now - self._tombstones[oldest][1] <= TOMBSTONE_TTL_S:
-                break
-            del self._tombstones[oldest]
+        self._retention.expire(self._futures, self._by_idem)
 
     async def aclose(self) -> None:
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._lease_task
-            with contextlib.suppress(Exception):  # let other replicas take over at once
-                await self._kv.delete(f"replica:{self.replica_id}")
+        await self._lease.aclose()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
