@@ -2,10 +2,11 @@
 
 Same API keys as the Tinker API (``Authorization: Bearer tml-…``, what the ``openai`` package
 sends). ``model`` is a served base model name or a ``tinker://`` / ``twinkle://`` checkpoint path
-the caller may read (their own, or a published one); ``"<base>;<path>"`` is accepted too. The
-engine's Sampler does the tokenizing (chat template), sampling and detokenizing; this module maps
-OpenAI's parameters onto an engine `SampleInput` and renders the results (`responses`). Each
-request holds one slot of the caller's concurrent-sampling limit (`gateway.quotas.concurrency`).
+the caller may read (their own, or a published one); ``"<base>;<path>"`` is accepted too
+(`models` resolves it). The engine's Sampler does the tokenizing (chat template), sampling and
+detokenizing; this module maps OpenAI's parameters onto an engine `SampleInput` and renders the
+results (`responses`). Each request holds one slot of the caller's concurrent-sampling limit
+(`gateway.quotas.concurrency`).
 
 Images (VL models): chat messages may hold ``image_url`` parts whose ``url`` is a
 ``data:image/png|jpeg;base64,…`` URL (``detail`` is ignored); nothing is ever fetched, so other
@@ -20,20 +21,16 @@ inside the engine).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import cast
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
-from sqlmodel import col, or_, select
 
 from engine.errors import UserInputError
 from engine.protocol import ImagePart, SampleInput, SamplingParams
 from gateway.context import ContextDep
-from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
 from gateway.deps import DbDep, EngineDep, PrincipalDep
-from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.errors import InvalidRequestError
 from gateway.openai_api import responses, streaming
 from gateway.openai_api.admission import admitted
 from gateway.openai_api.chat_images import (
@@ -42,8 +39,8 @@ from gateway.openai_api.chat_images import (
     message_dict,
     rename_image_fields,
 )
+from gateway.openai_api.models import Target, checkpoint_models, model_card, resolve_model
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
-from gateway.runs.checkpoints import readable_checkpoint
 from gateway.training import text_stream
 from gateway.training.sampling import sampling_params
 
@@ -53,100 +50,24 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 #: default at OpenAI (the rest of the context), we use this, clamped to ``max_context_length``
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
-_SCHEMES = ("tinker://", "twinkle://")
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-
-@dataclass(frozen=True)
-class Target:
-    base_model: str
-    adapter_dir: str | None
-    #: the session whose run saved the checkpoint, when it is the caller's own: its sampling
-    #: usage is billed there. An OpenAI request names no session of its own, so sampling a base
-    #: model or someone else's published checkpoint is recorded under no session.
-    session_id: str | None = None
-
-
-def _epoch(ts: datetime | None) -> int:
-    return 0 if ts is None else int(ts.replace(tzinfo=UTC).timestamp())
-
-
-def resolve_model(db, who, engine, model: str) -> Target:
-    """The base model and adapter directory for ``model``; 404 naming ``model`` if it is neither
-    a served base model nor a checkpoint path the caller may read."""
-    name = model.strip()
-    base_hint = None
-    if ";" in name:  # "<base>;<path>"
-        base_hint, _, name = (p.strip() for p in name.partition(";"))
-        if not name.startswith(_SCHEMES):
-            raise InvalidRequestError(
-                f"model: {model!r}: after ';' give a tinker:// checkpoint path"
-            )
-    if name.startswith(_SCHEMES):
-        ckpt = readable_checkpoint(db, who.user_id, name, "model")
-        run = db.get(TrainingRunRow, ckpt.run_id)
-        if run is None or not engine.serves(run.base_model):
-            raise NotFoundError(f"model: checkpoint {name} not found")
-        if base_hint and base_hint != run.base_model:
-            raise InvalidRequestError(
-                f"model: checkpoint {name} belongs to base model {run.base_model!r}, "
-                f"not {base_hint!r}"
-            )
-        own = run.session_id if run.user_id == who.user_id else None
-        return Target(run.base_model, ckpt.storage_dir, own)
-    if engine.serves(name):
-        return Target(name, None)
-    raise NotFoundError(
-        f"model: model {model!r} not found; GET /v1/models lists the models you can use"
-    )
 
 
 # ------------------------------------------------------------------------------------- models
 
 
-def _model_card(mid: str, created: int, owner: str, base: str | None) -> dict:
-    return {
-        "id": mid,
-        "object": "model",
-        "created": created,
-        "owned_by": owner,
-        "root": base or mid,
-        "parent": base,
-    }
-
-
-def _checkpoint_models(db, who, engine) -> list[dict]:
-    rows = db.exec(
-        select(CheckpointRow, TrainingRunRow.base_model, UserRow.name)
-        .join(TrainingRunRow, col(TrainingRunRow.id) == CheckpointRow.run_id)
-        .join(UserRow, col(UserRow.id) == CheckpointRow.user_id)
-        .where(
-            CheckpointRow.kind == "sampler",
-            col(CheckpointRow.ephemeral).is_(False),
-            or_(CheckpointRow.user_id == who.user_id, col(CheckpointRow.public).is_(True)),
-        )
-        .order_by(col(CheckpointRow.created_at))
-    ).all()
-    now = utcnow()
-    return [
-        _model_card(row.tinker_path, _epoch(row.created_at), owner, base)
-        for row, base, owner in rows
-        if (row.expires_at is None or row.expires_at > now) and engine.serves(base)
-    ]
-
-
 @router.get("/models")
 async def list_models(who: PrincipalDep, db: DbDep, engine: EngineDep) -> dict:
-    bases = [_model_card(name, 0, "twinkle", None) for name in engine.base_models]
-    return {"object": "list", "data": bases + _checkpoint_models(db, who, engine)}
+    bases = [model_card(name, 0, "twinkle", None) for name in engine.base_models]
+    return {"object": "list", "data": bases + checkpoint_models(db, who, engine)}
 
 
 @router.get("/models/{model_id:path}")
 async def get_model(model_id: str, who: PrincipalDep, db: DbDep, engine: EngineDep) -> dict:
     target = resolve_model(db, who, engine, model_id)
     if target.adapter_dir is None:
-        return _model_card(target.base_model, 0, "twinkle", None)
-    return _model_card(model_id, 0, who.user_name, target.base_model)
+        return model_card(target.base_model, 0, "twinkle", None)
+    return model_card(model_id, 0, who.user_name, target.base_model)
 
 
 # -------------------------------------------------------------------------------- generation
