@@ -1,8 +1,8 @@
 """The Trainer: one base model, many tenants' adapters.
 
-Per model, requests run in seq_id order (engine/scheduling/sequencer.py); across tenants, compute
-is shared fairly by deficit round robin over tokens (engine/scheduling/fair.py), with big
-forward_backward requests sliced so that small tenants never wait behind a whole big batch;
+Per model, requests run in seq_id order; across tenants, compute is shared fairly by deficit
+round robin over tokens (engine/scheduling/fair.py), with big forward_backward requests sliced so
+that small tenants never wait behind a whole big batch (both in engine/adapter_steps.py);
 adapters beyond the configured capacity are offloaded and reloaded transparently
 (engine/scheduling/adapter_pool.py). The backend is built by name (engine/backends/registry.py)
 and driven only through its contract (engine/backends/base.py).
@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from engine.adapter_steps import AdapterSteps
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
 from engine.backends.registry import build_training_backend
 from engine.config import ModelConfig
@@ -37,9 +38,7 @@ from engine.protocol import (
 from engine.scheduling.adapter_pool import AdapterPool
 from engine.scheduling.exactly_once import OnceCache
 from engine.scheduling.execution_probe import probe_shape, stored_or_measured
-from engine.scheduling.fair import FIXED_COST, FairScheduler
-from engine.scheduling.sequencer import Sequencer
-from engine.scheduling.slicing import merge_outputs, slice_input
+from engine.scheduling.fair import FairScheduler
 from engine.storage import SharedDirStorage
 from engine.telemetry.exporter import ServesMetrics, export_replica_metrics
 from engine.telemetry.metrics import ReplicaMetrics, State, measured
@@ -80,9 +79,14 @@ class Trainer(ServesMetrics):
         offload = Path(data_dir) / "offload" / f"trainer-{os.getpid()}"
         self.pool = AdapterPool(self.backend, self.model.max_loaded_adapters, offload)
         self.execution = self._sched.call_on_compute_thread(self._choose_execution)
-        self._seq = Sequencer(gap_timeout)
-        self._tenant: dict[str, str] = {}
-        self._waiting: dict[tuple[str, int], str] = {}
+        self.steps = AdapterSteps(
+            self.backend,
+            self.pool,
+            self._sched,
+            self.storage,
+            slice_tokens=self.model.slice_tokens,
+            gap_timeout=gap_timeout,
+        )
         # A repeated (model_id, seq_id) (a gateway replica re-driving a request after another
         # replica died) gets the first execution's result; see engine/scheduling/exactly_once.py.
         self._once = OnceCache()
@@ -111,21 +115,12 @@ class Trainer(ServesMetrics):
                 "twinkle_trainer_fused_batches": self._sched.fused_batches,
             },
             gauges={
-                "twinkle_trainer_tenants": len(set(self._tenant.values())),
+                "twinkle_trainer_tenants": len(set(self.steps.tenants.values())),
                 "twinkle_trainer_active_tenants": len(self._sched.queued_tenants()),
             },
         )
 
     # -- helpers -------------------------------------------------------------------------------
-    async def _compute(self, model_id: str, cost: int, fn, label: str, fuse_item=None):
-        tenant = self._tenant.get(model_id, model_id)
-
-        def job():
-            self.pool.use(model_id)
-            return fn()
-
-        return await self._sched.run(tenant, model_id, cost, job, label, fuse_item)
-
     def _run_fused(self, items: list[tuple[str, ForwardBackwardInput]]) -> list:
         for adapter_id, _ in items:
             self.pool.use(adapter_id)
@@ -177,158 +172,39 @@ class Trainer(ServesMetrics):
             # per tenant (the owner's user id): queued jobs, jobs ahead, oldest wait
             "queue": self._sched.queue_snapshot(),
             "adapters": [
-                {"model_id": a, "tenant": self._tenant.get(a, ""), "state": state}
+                {"model_id": a, "tenant": self.steps.tenants.get(a, ""), "state": state}
                 for a, state in self.pool.states().items()
             ],
         }
 
     async def status(self, model_id: str, seq_id: int) -> dict:
         """Where a pending request is, for `queue_state_reason`."""
-        waiting_for = self._seq.expected(model_id)
+        waiting_for = self.steps.seq.expected(model_id)
         reason = self._sched.describe(model_id)
         if reason is None and waiting_for is not None and waiting_for < seq_id:
             reason = f"waiting for seq_id {waiting_for} of this model to arrive"
         return {"queue_state": "active", "reason": reason or "in progress"}
 
-    # -- lifecycle -----------------------------------------------------------------------------
-    async def _start_model(
-        self, model_id: str, tenant: str, build: Callable[[], T], label: str
-    ) -> T:
-        """A model's seq 0 (``build`` creates its adapter): afterwards its next request is seq 1."""
-        self._tenant[model_id] = tenant or model_id
-
-        def start() -> T:
-            out = build()
-            self.pool.added(model_id)
-            return out
-
-        out = await self._sched.run(self._tenant[model_id], model_id, FIXED_COST, start, label)
-        self._seq.start(model_id, 1)
-        return out
-
-    async def _create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
-        create = partial(self.backend.create_adapter, model_id, spec)
-        await self._start_model(model_id, tenant, create, "create")
-
-    async def _load_state(
-        self,
-        model_id: str,
-        seq_id: int | None,
-        directory: str,
-        include_optimizer: bool,
-        tenant: str = "",
-    ) -> LoraSpec:
-        """Create-via-load (``seq_id`` None: this is the model's seq 0) or an in-order load."""
-        read = partial(self._read, model_id, directory, include_optimizer)
-        if seq_id is None:
-            return await self._start_model(model_id, tenant, read, "load")
-        async with self._seq.turn(model_id, seq_id):
-            return await self._compute(model_id, FIXED_COST, read, "load_state")
-
-    def _read(self, model_id: str, directory: str, include_optimizer: bool) -> LoraSpec:
-        readable = str(self.storage.readable(directory))
-        return self.backend.load_state(model_id, readable, include_optimizer=include_optimizer)
-
     async def delete_adapter(self, model_id: str) -> None:
-        def delete():
-            self.backend.delete_adapter(model_id)
-            self.pool.removed(model_id)
-
-        await self._sched.run(
-            self._tenant.get(model_id, model_id), model_id, FIXED_COST, delete, "delete"
-        )
-        self._seq.forget(model_id)
-        self._tenant.pop(model_id, None)
+        await self.steps.delete(model_id)
         self._once.forget(model_id)
 
     # -- sequenced work ------------------------------------------------------------------------
     async def _forward_backward(
         self, model_id: str, seq_id: int, inp: ForwardBackwardInput
     ) -> ForwardBackwardOutput:
-        async with self._seq.turn(model_id, seq_id):
-            out = await self._forward_backward_slices(model_id, inp)
+        out = await self.steps.forward_backward(model_id, seq_id, inp)
         if self.metrics is not None:
             kind = "forward" if inp.forward_only else "trained"
             self.metrics.tokens(kind, sum(len(d.tokens) for d in inp.data))
         return out
-
-    async def _forward_backward_slices(
-        self, model_id: str, inp: ForwardBackwardInput
-    ) -> ForwardBackwardOutput:
-        slices = slice_input(inp, self.model.slice_tokens)
-        if len(slices) == 1:
-            return await self._compute(
-                model_id,
-                slices[0][1],
-                lambda: self.backend.forward_backward(model_id, inp),
-                "forward" if inp.forward_only else "forward_backward",
-                fuse_item=(model_id, inp),
-            )
-        # Validate the whole request before any slice adds to the gradient.
-        self.backend.validate_input(inp)
-        outs = []
-        for part, cost in slices:
-            outs.append(
-                await self._compute(
-                    model_id,
-                    cost,
-                    lambda p=part: self.backend.forward_backward(model_id, p),
-                    f"forward_backward slice {len(outs) + 1}/{len(slices)}",
-                    fuse_item=(model_id, part),
-                )
-            )
-        return merge_outputs(outs)
-
-    async def _optim_step(self, model_id: str, seq_id: int, params: AdamParams) -> OptimStepOutput:
-        async with self._seq.turn(model_id, seq_id):
-            return await self._compute(
-                model_id,
-                FIXED_COST,
-                lambda: self.backend.optim_step(model_id, params),
-                "optim_step",
-            )
-
-    async def _save_state(
-        self,
-        model_id: str,
-        seq_id: int,
-        directory: str,
-        include_optimizer: bool,
-        age_recipients: Sequence[str],
-    ) -> int:
-        async with self._seq.turn(model_id, seq_id):
-            return await self._compute(
-                model_id,
-                FIXED_COST,
-                lambda: self._write(model_id, directory, include_optimizer, age_recipients),
-                "save",
-            )
-
-    def _write(
-        self, model_id: str, directory: str, include_optimizer: bool, age_recipients: Sequence[str]
-    ) -> int:
-        with self.storage.writable(directory) as local:
-            return self.backend.save_state(
-                model_id,
-                str(local),
-                include_optimizer=include_optimizer,
-                age_recipients=age_recipients,
-            )
 
     async def adapter_grad(self, model_id: str, seq_id: int, op: GradOp) -> float | None:
         """In seq order, the adapter's accumulated gradient for the native API's clip_grad_norm
         / zero_grad: ``op`` "norm" → its L2 norm (0.0 without one), "zero" → drop it
         (`TrainingBackend.adapter_grad`). An unknown op is a UserInputError before sequencing."""
         check_grad_op(op)
-        async with self._seq.turn(model_id, seq_id):
-            return await self._compute(
-                model_id, FIXED_COST, lambda: self.backend.adapter_grad(model_id, op), f"grad_{op}"
-            )
-
-    async def _skip(self, model_id: str, seq_id: int) -> None:
-        """Let a request the gateway rejected pass the ordering, so later ones are not held up."""
-        async with self._seq.turn(model_id, seq_id):
-            pass
+        return await self.steps.grad(model_id, seq_id, op)
 
     async def _sequenced(
         self, op: str, key: tuple[str, int], call: Callable[[], Awaitable[T]]
@@ -338,7 +214,7 @@ class Trainer(ServesMetrics):
         return await measured(self.metrics, op, lambda: self._once.run(key, call))
 
     async def create_adapter(self, model_id: str, spec: LoraSpec, tenant: str = "") -> None:
-        call = partial(self._create_adapter, model_id, spec, tenant)
+        call = partial(self.steps.create, model_id, spec, tenant)
         return await self._sequenced("create_adapter", (model_id, 0), call)
 
     async def forward_backward(
@@ -349,12 +225,12 @@ class Trainer(ServesMetrics):
         return await self._sequenced(op, (model_id, seq_id), call)
 
     async def optim_step(self, model_id: str, seq_id: int, params: AdamParams) -> OptimStepOutput:
-        call = partial(self._optim_step, model_id, seq_id, params)
+        call = partial(self.steps.optim_step, model_id, seq_id, params)
         return await self._sequenced("optim_step", (model_id, seq_id), call)
 
     async def skip(self, model_id: str, seq_id: int) -> None:
         """Let a request the gateway rejected pass the ordering (exactly once per seq_id)."""
-        return await self._once.run((model_id, seq_id), partial(self._skip, model_id, seq_id))
+        return await self._once.run((model_id, seq_id), partial(self.steps.skip, model_id, seq_id))
 
     async def save_state(
         self,
@@ -367,7 +243,7 @@ class Trainer(ServesMetrics):
         """In seq order: write the adapter to ``directory``; with ``age_recipients``, as an
         age-encrypted export (`TrainingBackend.save_state`)."""
         call = partial(
-            self._save_state, model_id, seq_id, directory, include_optimizer, tuple(age_recipients)
+            self.steps.save, model_id, seq_id, directory, include_optimizer, tuple(age_recipients)
         )
         return await self._sequenced("save_state", (model_id, seq_id), call)
 
@@ -380,7 +256,7 @@ class Trainer(ServesMetrics):
         tenant: str = "",
     ) -> LoraSpec:
         key = (model_id, 0 if seq_id is None else seq_id)
-        call = partial(self._load_state, model_id, seq_id, directory, include_optimizer, tenant)
+        call = partial(self.steps.load, model_id, seq_id, directory, include_optimizer, tenant)
         return await self._sequenced("load_state", key, call)
 
     async def replays(self) -> int:
