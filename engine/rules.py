@@ -75,11 +75,19 @@ def lora_spec_from_config(config: Any) -> LoraSpec:
         raise UserInputError("lora config: 'r' (rank) is required")
     alpha = _get(config, "lora_alpha", "alpha", default=DEFAULT_LORA_ALPHA)
     seed = _get(config, "seed", default=0)
-    targets = _get(config, "target_modules")
-    flags = dict.fromkeys([name for name, _ in _GROUPS], True)
     vision = _get(config, "train_vision", default=False)
     if not isinstance(vision, bool):
         raise UserInputError(f"lora config: train_vision {vision!r} must be true or false")
+    flags, vision = _target_flags(_get(config, "target_modules"), vision)
+    _check_numbers(rank, alpha, seed)
+    return LoraSpec(
+        rank=int(rank), alpha=float(alpha), seed=int(seed), train_vision=vision, **flags
+    )
+
+
+def _target_flags(targets: Any, vision: bool) -> tuple[dict[str, bool], bool]:
+    """LoraSpec's group flags and its ``train_vision`` for a config's ``target_modules``."""
+    flags = dict.fromkeys([name for name, _ in _GROUPS], True)
     if isinstance(targets, str):
         if targets == "all-linear":
             flags["train_unembed"] = False
@@ -88,30 +96,36 @@ def lora_spec_from_config(config: Any) -> LoraSpec:
                 f"lora config: target_modules {targets!r} is not supported; use 'all-linear', "
                 "'all' or a list of module names"
             )
-    elif targets is not None:
-        names = {str(t).rsplit(".", 1)[-1] for t in targets}
-        tower = names & set(VISION_TARGETS)
-        vision = vision or bool(tower)
-        names -= tower
-        known = {m for _, group in _GROUPS for m in group}
-        unknown = sorted(names - known)
-        if unknown:
-            raise UserInputError(
-                f"lora config: target_modules {unknown} cannot be targeted; targetable modules: "
-                f"{', '.join(m for _, g in _GROUPS for m in g)} (and a VL model's vision tower: "
-                f"{', '.join(VISION_TARGETS)})"
-            )
-        added = sorted(set(VISION_TARGETS) - tower) if tower else []
-        for flag, group in _GROUPS:
-            chosen = names & set(group)
-            flags[flag] = bool(chosen)
-            if chosen and chosen != set(group):
-                added += sorted(set(group) - chosen)
-        if added:
-            warnings.warn(
-                f"lora config: target_modules name part of a module group; also training {added}",
-                stacklevel=3,
-            )
+        return flags, vision
+    if targets is None:
+        return flags, vision
+    names = {str(t).rsplit(".", 1)[-1] for t in targets}
+    tower = names & set(VISION_TARGETS)
+    names -= tower
+    known = {m for _, group in _GROUPS for m in group}
+    unknown = sorted(names - known)
+    if unknown:
+        raise UserInputError(
+            f"lora config: target_modules {unknown} cannot be targeted; targetable modules: "
+            f"{', '.join(m for _, g in _GROUPS for m in g)} (and a VL model's vision tower: "
+            f"{', '.join(VISION_TARGETS)})"
+        )
+    added = sorted(set(VISION_TARGETS) - tower) if tower else []
+    for flag, group in _GROUPS:
+        chosen = names & set(group)
+        flags[flag] = bool(chosen)
+        if chosen and chosen != set(group):
+            added += sorted(set(group) - chosen)
+    if added:
+        # 4: past this helper and lora_spec_from_config, to the code that built the config
+        warnings.warn(
+            f"lora config: target_modules name part of a module group; also training {added}",
+            stacklevel=4,
+        )
+    return flags, vision or bool(tower)
+
+
+def _check_numbers(rank: Any, alpha: Any, seed: Any) -> None:
     for name, value in (("r", rank), ("lora_alpha", alpha), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserInputError(f"lora config: {name} {value!r} must be a number")
@@ -122,9 +136,6 @@ def lora_spec_from_config(config: Any) -> LoraSpec:
     if not SEED_RANGE[0] <= int(seed) <= SEED_RANGE[1]:
         # torch's generators and the gateway's 64-bit seed column take no more
         raise UserInputError(f"lora config: seed {int(seed)} must fit a signed 64-bit integer")
-    return LoraSpec(
-        rank=int(rank), alpha=float(alpha), seed=int(seed), train_vision=vision, **flags
-    )
 
 
 def spec_target_modules(spec: LoraSpec) -> list[str]:
