@@ -150,17 +150,6 @@ def _checkpoint(call: Call, ref: Any, field: str) -> tuple[CheckpointRow, Traini
     return ckpt, src
 
 
-def _ensure_run_row(call: Call, spec: LoraSpec) -> TrainingRunRow:
-    """The adapter's run row, written if missing (loading a checkpoint into a fresh adapter)."""
-    db, row = call.ctx.db, call.run_row(spec)
-    existing = db.get(TrainingRunRow, row.id)
-    if existing is not None:
-        return existing
-    db.add(row)
-    db.commit()
-    return row
-
-
 def _lora_config(config: Any) -> Any:
     """Upstream's client sends the peft ``LoraConfig`` as a JSON string of its fields (plus its
     ``_TWINKLE_TYPE_`` tag); a string that is not JSON is a checkpoint path (our extension)."""
@@ -247,7 +236,7 @@ def _loader(method: str) -> Callable[[Call, dict], Awaitable[Any]]:
     async def load(call: Call, kw: dict) -> Any:
         _no_server_paths(kw)
         ckpt, src = _checkpoint(call, kw.get("name"), "name")
-        _ensure_run_row(call, runs.spec_of(src))
+        runs.ensure_run(call.ctx.db, call.run_row(runs.spec_of(src)))
         kw["name"] = ckpt.storage_dir
         result = await call.invoke(method, kw)
         path = twinkle_path(ckpt.tinker_path)

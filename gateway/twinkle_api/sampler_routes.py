@@ -22,13 +22,14 @@ import asyncio
 import copy
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
 from fastapi.responses import StreamingResponse
 
 from engine.errors import EngineError
-from engine.protocol import SampleInput
+from engine.protocol import SampleInput, SampleOutput
 from gateway.context import ContextDep, RequestContext
 from gateway.deps import PrincipalDep
 from gateway.errors import InvalidRequestError, NotImplementedOnServerError
@@ -153,51 +154,55 @@ async def sample(
     enc, inputs, prompts, engine_prompts, sp, params, n, adapter_dir = await _prepare(
         ctx, name, session.id, req
     )
+    base = SampleInput(
+        prompt_tokens=[],
+        num_samples=n,
+        params=params,
+        prompt_logprobs=bool(sp.prompt_logprobs),
+        adapter_dir=adapter_dir,
+    )
     # the sample token rate, the concurrent-sampling slot and the usage ledger, as for the
     # Tinker and OpenAI routes; usage goes to the session of the client's sampler
     async with metering.admitted(ctx, session.id) as adm:
         await adm.meter(name, sum(map(len, prompts)), params.max_tokens * n * len(prompts))
+        sampler = ctx.engine.sampler(name, affinity=adapter_dir)
         outs = await asyncio.gather(
             *(
-                ctx.engine.sampler(name, affinity=adapter_dir).sample(
-                    SampleInput(
-                        prompt_tokens=p,
-                        prompt_images=parts,
-                        num_samples=n,
-                        params=params,
-                        prompt_logprobs=bool(sp.prompt_logprobs),
-                        adapter_dir=adapter_dir,
-                    )
-                )
+                sampler.sample(replace(base, prompt_tokens=p, prompt_images=parts))
                 for p, parts in engine_prompts
             )
         )
         await adm.finish(sum(len(s.tokens) for out in outs for s in out.sequences))
-    samples = []
-    for row, prompt, out in zip(inputs, prompts, outs, strict=True):
-        seqs = []
-        for s in out.sequences:
-            toks, lps = list(s.tokens), [float(x) for x in s.logprobs]
-            text = await enc.decode(toks)
-            seqs.append(
-                {
-                    "stop_reason": s.stop_reason,
-                    "tokens": toks,
-                    "logprobs": [[[t, lp]] for t, lp in zip(toks, lps, strict=True)],
-                    "decoded": text,
-                    "new_input_feature": _new_feature(row, prompt, toks, text),
-                }
-            )
-        plp = out.prompt_logprobs
-        samples.append(
+    return {
+        "samples": [
+            await _sample_json(enc, row, prompt, out)
+            for row, prompt, out in zip(inputs, prompts, outs, strict=True)
+        ]
+    }
+
+
+async def _sample_json(enc, row: dict[str, Any], prompt: list[int], out: SampleOutput) -> dict:
+    """One input's samples in upstream's ``SampleResponse`` shape."""
+    seqs = []
+    for s in out.sequences:
+        toks, lps = list(s.tokens), [float(x) for x in s.logprobs]
+        text = await enc.decode(toks)
+        seqs.append(
             {
-                "prompt_tokens": prompt,  # ours, beyond upstream's fields
-                "sequences": seqs,
-                "prompt_logprobs": [finite(float(x)) for x in plp] if plp is not None else None,
-                "topk_prompt_logprobs": None,
+                "stop_reason": s.stop_reason,
+                "tokens": toks,
+                "logprobs": [[[t, lp]] for t, lp in zip(toks, lps, strict=True)],
+                "decoded": text,
+                "new_input_feature": _new_feature(row, prompt, toks, text),
             }
         )
-    return {"samples": samples}
+    plp = out.prompt_logprobs
+    return {
+        "prompt_tokens": prompt,  # ours, beyond upstream's fields
+        "sequences": seqs,
+        "prompt_logprobs": [finite(float(x)) for x in plp] if plp is not None else None,
+        "topk_prompt_logprobs": None,
+    }
 
 
 @router.post("/{base_model:path}/twinkle/sample_stream")
@@ -226,24 +231,28 @@ async def sample_stream(
             text_stream.sample_events(ctx.engine, name, inp, params.stop_strings, 0),
             lambda exc: InvalidRequestError(f"inputs[0]: {exc}"),
         )
+    return StreamingResponse(_ndjson_lines(events, adm), media_type="application/x-ndjson")
 
-    async def lines() -> AsyncIterator[bytes]:
-        sampled = 0
-        try:
-            async for ev in events:
-                if isinstance(ev, text_stream.TextEvent):
-                    sampled += len(ev.pieces)
-                    yield (json.dumps({"delta": ev.text, "finish_reason": None}) + "\n").encode()
-                else:  # the remaining text came as a TextEvent just before
-                    sampled = ev.choice.n_tokens
-                    line = {"delta": "", "finish_reason": ev.choice.finish_reason}
-                    yield (json.dumps(line) + "\n").encode()
-        except EngineError as exc:
-            yield (json.dumps({"error": str(exc)}) + "\n").encode()
-        finally:
-            await adm.finish(sampled)
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+async def _ndjson_lines(
+    events: AsyncIterator[text_stream.TextEvent | text_stream.FinishEvent],
+    adm: metering.SampleAdmission,
+) -> AsyncIterator[bytes]:
+    """The stream's NDJSON lines; the sampled tokens are metered once it ends, however it ends."""
+    sampled = 0
+    try:
+        async for ev in events:
+            if isinstance(ev, text_stream.TextEvent):
+                sampled += len(ev.pieces)
+                yield (json.dumps({"delta": ev.text, "finish_reason": None}) + "\n").encode()
+            else:  # the remaining text came as a TextEvent just before
+                sampled = ev.choice.n_tokens
+                line = {"delta": "", "finish_reason": ev.choice.finish_reason}
+                yield (json.dumps(line) + "\n").encode()
+    except EngineError as exc:
+        yield (json.dumps({"error": str(exc)}) + "\n").encode()
+    finally:
+        await adm.finish(sampled)
 
 
 @router.post("/{base_model:path}/twinkle/{method}")
