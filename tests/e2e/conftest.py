@@ -4,8 +4,8 @@
 ready when healthz answers); keys are made with the real `twinkle keys create` against its DB.
 
 Shared servers come from a one-slot pool by profile (`ServerPool`): ``default`` (the `server`
-fixture: the tiny chat model, SQLite) and the profiles modules define (``hosted``, ``vl``,
-``megatron``, ...). Asking for another profile stops the running one first, and
+fixture: the tiny chat model, SQLite), ``hosted`` (`start_hosted`) and the profiles modules
+define (``vl``, ``megatron``). Asking for another profile stops the running one first, and
 `pytest_collection_modifyitems` orders the e2e tests by the profile they use, so each profile
 starts once. Tests marked ``own_cluster`` start their own servers or Ray clusters (they kill,
 drain or restart them); the pool is emptied before each, and they run after all pooled tests.
@@ -147,6 +147,17 @@ def start_default(
     return start
 
 
+@pytest.fixture(scope="session")
+def start_hosted(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, postgres_url: str
+) -> Callable[[], tuple[Server, Launched]]:
+    """Starts the hosted profile (tests/e2e/hosted_profile.py: Postgres, Redis, two gateway
+    replicas, JWT, quotas)."""
+    from tests.e2e.hosted_profile import start_hosted_server  # it imports this module
+
+    return lambda: start_hosted_server(tmp_path_factory, redis_url, postgres_url)
+
+
 @pytest.fixture(scope="module")
 def server(pool: ServerPool, start_default) -> Server:
     return pool.get("default", start_default)
@@ -172,22 +183,26 @@ PROFILE_OF_FIXTURE = {
     "start_vl": "vl",
     "start_mg": "megatron",
     "start_hosted": "hosted",
-    "start_pg": "postgres",
 }
 #: run order: tests without a server, then each profile once, then the own-cluster tests
 #: (``default`` right before ``megatron``: the parity test on both starts neither again)
-ORDER = ["none", "vl", "default", "megatron", "hosted", "postgres", "own_cluster"]
+ORDER = ["none", "vl", "default", "megatron", "hosted", "own_cluster"]
 
 
 def _group(item: pytest.Item) -> tuple[int, int]:
-    """(place in `ORDER`, 0 for a test on two profiles else 1). A test on two profiles (the
-    Megatron parity test: ``default``, then ``megatron``) runs first in its last profile's group,
-    while the first is still alive from its own group; it asks for them in `ORDER`."""
+    """(place in `ORDER`, 0 for a test on two profiles, 2 for a module that sets
+    ``LAST_ON_ITS_SERVER``, else 1). A test on two profiles (the Megatron parity test:
+    ``default``, then ``megatron``) runs first in its last profile's group, while the first is
+    still alive from its own group; it asks for them in `ORDER`. A module that leaves server-wide
+    state behind (the API fuzz as an admin: org quotas, users) runs after the rest of its group."""
     if item.get_closest_marker("own_cluster") is not None:
         return ORDER.index("own_cluster"), 1
     names = getattr(item, "fixturenames", ())
     profiles = {PROFILE_OF_FIXTURE[n] for n in names if n in PROFILE_OF_FIXTURE}
-    return max((ORDER.index(p) for p in profiles), default=0), int(len(profiles) < 2)
+    if len(profiles) > 1:
+        return max(ORDER.index(p) for p in profiles), 0
+    last = getattr(getattr(item, "module", None), "LAST_ON_ITS_SERVER", False)
+    return max((ORDER.index(p) for p in profiles), default=0), 2 if last else 1
 
 
 @pytest.hookimpl(trylast=True)
