@@ -4,11 +4,13 @@
 ready when healthz answers); keys are made with the real `twinkle keys create` against its DB.
 
 Shared servers come from a one-slot pool by profile (`ServerPool`): ``default`` (the `server`
-fixture: the tiny chat model, SQLite), ``hosted`` (`start_hosted`) and the profiles modules
-define (``vl``, ``megatron``). Asking for another profile stops the running one first, and
-`pytest_collection_modifyitems` orders the e2e tests by the profile they use, so each profile
-starts once. Tests marked ``own_cluster`` start their own servers or Ray clusters (they kill,
-drain or restart them); the pool is emptied before each, and they run after all pooled tests.
+fixture: the tiny chat model, SQLite), ``hosted`` (`start_hosted`), ``observed``
+(`start_observed`) and the profiles modules define (``vl``, ``megatron``). Asking for another
+profile stops the running one first, and `pytest_collection_modifyitems` orders the e2e tests by
+the profile they use, so each profile starts once; a test whose last act stops its profile's
+server takes it out of the pool (`ServerPool.take`) and runs last in its group. Tests marked
+``own_cluster`` start their own servers or Ray clusters (they kill or restart them); the pool is
+emptied before each, and they run after all pooled tests.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ STARTUP_TIMEOUT_S = 240
 #: the default profile's config: no start-up probe (`execution: auto` has its own unit tests and
 #: the zero-config start is tests/e2e/test_serve_lifecycle.py's)
 DEFAULT_CONFIG = "models:\n  - name: twinkle/tiny-chat\n    execution: sequential\n"
+#: the ``observed`` profile: two Samplers (tests/e2e/test_observability.py kills one of them) and
+#: a drain window and Retry-After that tests/e2e/test_drain.py checks when it stops the server
+OBSERVED_CONFIG = """
+drain_timeout_seconds: 120
+drain_retry_after_seconds: 7
+models:
+  - name: twinkle/tiny-chat
+    execution: sequential
+    sampler: {num_replicas: 2}
+"""
 
 
 def _free_port() -> int:
@@ -119,6 +131,17 @@ class ServerPool:
         self.held = (profile, srv, started)
         return srv
 
+    def take(
+        self, profile: str, start: Callable[[], tuple[Server, Launched]]
+    ) -> tuple[Server, Launched]:
+        """The profile's server, no longer the pool's: the caller stops it (a test whose last
+        act is to stop or drain it)."""
+        self.get(profile, start)
+        assert self.held is not None
+        _, srv, started = self.held
+        self.held = None
+        return srv, started
+
     def release(self) -> None:
         if self.held is not None:
             _, srv, started = self.held
@@ -142,6 +165,20 @@ def start_default(
     def start() -> tuple[Server, Launched]:
         data = tmp_path_factory.mktemp("twinkle-data")
         (data / "server.yaml").write_text(DEFAULT_CONFIG)
+        return start_server(data, data / "server.yaml")
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def start_observed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[], tuple[Server, Launched]]:
+    """Starts the observed profile, `OBSERVED_CONFIG`: scraped by Prometheus, then drained."""
+
+    def start() -> tuple[Server, Launched]:
+        data = tmp_path_factory.mktemp("observed-data")
+        (data / "server.yaml").write_text(OBSERVED_CONFIG)
         return start_server(data, data / "server.yaml")
 
     return start
@@ -183,10 +220,11 @@ PROFILE_OF_FIXTURE = {
     "start_vl": "vl",
     "start_mg": "megatron",
     "start_hosted": "hosted",
+    "start_observed": "observed",
 }
 #: run order: tests without a server, then each profile once, then the own-cluster tests
 #: (``default`` right before ``megatron``: the parity test on both starts neither again)
-ORDER = ["none", "vl", "default", "megatron", "hosted", "own_cluster"]
+ORDER = ["none", "vl", "default", "megatron", "hosted", "observed", "own_cluster"]
 
 
 def _group(item: pytest.Item) -> tuple[int, int]:
@@ -194,7 +232,8 @@ def _group(item: pytest.Item) -> tuple[int, int]:
     ``LAST_ON_ITS_SERVER``, else 1). A test on two profiles (the Megatron parity test:
     ``default``, then ``megatron``) runs first in its last profile's group, while the first is
     still alive from its own group; it asks for them in `ORDER`. A module that leaves server-wide
-    state behind (the API fuzz as an admin: org quotas, users) runs after the rest of its group."""
+    state behind (the API fuzz as an admin: org quotas, users) or stops the server (the drain
+    test) runs after the rest of its group."""
     if item.get_closest_marker("own_cluster") is not None:
         return ORDER.index("own_cluster"), 1
     names = getattr(item, "fixturenames", ())
