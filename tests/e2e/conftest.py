@@ -4,13 +4,14 @@
 ready when healthz answers); keys are made with the real `twinkle keys create` against its DB.
 
 Shared servers come from a one-slot pool by profile (`ServerPool`): ``default`` (the `server`
-fixture: the tiny chat model, SQLite), ``hosted`` (`start_hosted`), ``observed``
-(`start_observed`) and the profiles modules define (``vl``, ``megatron``). Asking for another
-profile stops the running one first, and `pytest_collection_modifyitems` orders the e2e tests by
-the profile they use, so each profile starts once; a test whose last act stops its profile's
-server takes it out of the pool (`ServerPool.take`) and runs last in its group. Tests marked
-``own_cluster`` start their own servers or Ray clusters (they kill or restart them); the pool is
-emptied before each, and they run after all pooled tests.
+fixture: the tiny chat model, SQLite), ``hosted`` (`start_hosted`), ``megatron`` (`start_mg`,
+started by the cookbook's Megatron launcher), ``observed`` (`start_observed`) and ``vl``
+(tests/e2e/test_vision_e2e.py). Asking for another profile stops the running one first, and
+`pytest_collection_modifyitems` orders the e2e tests by the profile they use, so each profile
+starts once; a test whose last act stops its profile's server takes it out of the pool
+(`ServerPool.take`) and runs last in its group. Tests marked ``own_cluster`` start their own
+servers or Ray clusters (they kill or restart them); the pool is emptied before each, and they
+run after all pooled tests.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -56,6 +58,8 @@ class Server:
     def __init__(self, url: str, data_dir: Path, env: dict[str, str], proc: subprocess.Popen):
         self.url, self.data_dir, self.env, self.proc = url, data_dir, env, proc
         self.keys: dict[str, str] = {}  # user -> the key fixtures share (`api_key`)
+        #: the cookbook launcher that started it, when one did (tests/e2e/quickstart.py)
+        self.quickstart: Any = None
 
     def create_key(self, user: str, admin: bool = False) -> str:
         cmd = [TWINKLE, "keys", "create", "--user", user] + (["--admin"] if admin else [])
@@ -193,6 +197,15 @@ def start_hosted(
     from tests.e2e.hosted_profile import start_hosted_server  # it imports this module
 
     return lambda: start_hosted_server(tmp_path_factory, redis_url, postgres_url)
+
+
+@pytest.fixture(scope="session")
+def start_mg(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], tuple[Server, Launched]]:
+    """Starts the megatron profile through the Megatron quick-start launcher
+    (tests/e2e/quickstart.py: TP=2, beside the same weights on the Transformers backend)."""
+    from tests.e2e.quickstart import start_megatron_quickstart  # it imports this module
+
+    return lambda: start_megatron_quickstart(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
