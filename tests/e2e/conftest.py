@@ -5,13 +5,12 @@ ready when healthz answers); keys are made with the real `twinkle keys create` a
 
 Shared servers come from a one-slot pool by profile (`ServerPool`): ``default`` (the `server`
 fixture: the tiny chat model, SQLite), ``hosted`` (`start_hosted`), ``megatron`` (`start_mg`,
-started by the cookbook's Megatron launcher), ``observed`` (`start_observed`) and ``vl``
-(tests/e2e/test_vision_e2e.py). Asking for another profile stops the running one first, and
-`pytest_collection_modifyitems` orders the e2e tests by the profile they use, so each profile
-starts once; a test whose last act stops its profile's server takes it out of the pool
-(`ServerPool.take`) and runs last in its group. Tests marked ``own_cluster`` start their own
-servers or Ray clusters (they kill or restart them); the pool is emptied before each, and they
-run after all pooled tests.
+started by the cookbook's Megatron launcher) and ``observed`` (`start_observed`). Asking for
+another profile stops the running one first, and `pytest_collection_modifyitems` orders the e2e
+tests by the profile they use, so each profile starts once; a test whose last act stops its
+profile's server takes it out of the pool (`ServerPool.take`) and runs last in its group. Tests
+marked ``own_cluster`` start their own servers or Ray clusters (they kill or restart them); the
+pool is emptied before each, and they run after all pooled tests.
 """
 
 from __future__ import annotations
@@ -230,14 +229,13 @@ def _own_cluster_runs_alone(request: pytest.FixtureRequest) -> None:
 #: starter fixture -> its pool profile (a test's fixture closure names the profiles it uses)
 PROFILE_OF_FIXTURE = {
     "start_default": "default",
-    "start_vl": "vl",
     "start_mg": "megatron",
     "start_hosted": "hosted",
     "start_observed": "observed",
 }
 #: run order: tests without a server, then each profile once, then the own-cluster tests
 #: (``default`` right before ``megatron``: the parity test on both starts neither again)
-ORDER = ["none", "vl", "default", "megatron", "hosted", "observed", "own_cluster"]
+ORDER = ["none", "default", "megatron", "hosted", "observed", "own_cluster"]
 
 
 def _group(item: pytest.Item) -> tuple[int, int]:

@@ -1,9 +1,9 @@
 """The pool's ``hosted`` profile: `twinkle serve` as a hosted service runs it.
 
 Two gateway replicas sharing a real Redis, a fresh database on a real Postgres, JWT mode for the
-Tinker SDK, per-user default quotas, and the tiny chat and vision-language models. The cookbook's
-``modelscope/`` scripts (tests/e2e/test_cookbook_hosted.py) and the API fuzz
-(tests/e2e/test_fuzz_api.py) share one start of it.
+Tinker SDK, per-user default quotas, and the tiny chat and vision-language models (small image
+caps). The cookbook's ``modelscope/`` scripts (tests/e2e/test_cookbook_hosted.py), the image tests
+(tests/e2e/test_vision_e2e.py) and the API fuzz (tests/e2e/test_fuzz_api.py) share one start of it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ BASE = "twinkle/tiny-chat"
 DEFAULT_QUOTAS = {"max_training_clients": 4, "max_lora_rank": 32, "sample_tokens_per_minute": 50000}
 
 
-def _model(name: str) -> dict:
+def _model(name: str, **extra: object) -> dict:
     return {
         "name": name,
         "backend": "transformers",
@@ -31,6 +31,7 @@ def _model(name: str) -> dict:
         "sampler_type": "torch",
         "trainer": {"num_replicas": 1, "num_cpus": 0.25},
         "sampler": {"num_replicas": 1, "num_cpus": 0.25},
+        **extra,
     }
 
 
@@ -40,8 +41,12 @@ def start_hosted_server(
     redis.Redis.from_url(redis_url).flushdb()  # the session's Redis: no other test's state
     data = tmp_path_factory.mktemp("hosted-data")
     config = {
-        # twinkle/tiny-vl: twinkle/modelscope/multi_modal.py's vision-language model
-        "models": [_model(BASE), _model("twinkle/tiny-vl")],
+        # twinkle/tiny-vl: twinkle/modelscope/multi_modal.py's vision-language model; its small
+        # image caps are what tests/e2e/test_vision_e2e.py exceeds (the shipped images: < 600 B)
+        "models": [
+            _model(BASE),
+            _model("twinkle/tiny-vl", images={"max_per_request": 8, "max_bytes": 4096}),
+        ],
         "gateway": {
             "num_replicas": 2,
             "redis_url": redis_url,
