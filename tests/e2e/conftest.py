@@ -4,11 +4,13 @@
 ready when healthz answers); keys are made with the real `twinkle keys create` against its DB.
 
 Shared servers come from a one-slot pool by profile (`ServerPool`): ``default`` (the `server`
-fixture: the tiny chat model, SQLite) and the profiles modules define (``hosted``, ``vl``,
-``megatron``, ...). Asking for another profile stops the running one first, and
-`pytest_collection_modifyitems` orders the e2e tests by the profile they use, so each profile
-starts once. Tests marked ``own_cluster`` start their own servers or Ray clusters (they kill,
-drain or restart them); the pool is emptied before each, and they run after all pooled tests.
+fixture: the tiny chat model, SQLite), ``hosted`` (`start_hosted`), ``megatron`` (`start_mg`,
+started by the cookbook's Megatron launcher) and ``observed`` (`start_observed`). Asking for
+another profile stops the running one first, and `pytest_collection_modifyitems` orders the e2e
+tests by the profile they use, so each profile starts once; a test whose last act stops its
+profile's server takes it out of the pool (`ServerPool.take`) and runs last in its group. Tests
+marked ``own_cluster`` start their own servers or Ray clusters (they kill or restart them); the
+pool is emptied before each, and they run after all pooled tests.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,6 +35,16 @@ STARTUP_TIMEOUT_S = 240
 #: the default profile's config: no start-up probe (`execution: auto` has its own unit tests and
 #: the zero-config start is tests/e2e/test_serve_lifecycle.py's)
 DEFAULT_CONFIG = "models:\n  - name: twinkle/tiny-chat\n    execution: sequential\n"
+#: the ``observed`` profile: two Samplers (tests/e2e/test_observability.py kills one of them) and
+#: a drain window and Retry-After that tests/e2e/test_drain.py checks when it stops the server
+OBSERVED_CONFIG = """
+drain_timeout_seconds: 120
+drain_retry_after_seconds: 7
+models:
+  - name: twinkle/tiny-chat
+    execution: sequential
+    sampler: {num_replicas: 2}
+"""
 
 
 def _free_port() -> int:
@@ -44,6 +57,8 @@ class Server:
     def __init__(self, url: str, data_dir: Path, env: dict[str, str], proc: subprocess.Popen):
         self.url, self.data_dir, self.env, self.proc = url, data_dir, env, proc
         self.keys: dict[str, str] = {}  # user -> the key fixtures share (`api_key`)
+        #: the cookbook launcher that started it, when one did (tests/e2e/quickstart.py)
+        self.quickstart: Any = None
 
     def create_key(self, user: str, admin: bool = False) -> str:
         cmd = [TWINKLE, "keys", "create", "--user", user] + (["--admin"] if admin else [])
@@ -119,6 +134,17 @@ class ServerPool:
         self.held = (profile, srv, started)
         return srv
 
+    def take(
+        self, profile: str, start: Callable[[], tuple[Server, Launched]]
+    ) -> tuple[Server, Launched]:
+        """The profile's server, no longer the pool's: the caller stops it (a test whose last
+        act is to stop or drain it)."""
+        self.get(profile, start)
+        assert self.held is not None
+        _, srv, started = self.held
+        self.held = None
+        return srv, started
+
     def release(self) -> None:
         if self.held is not None:
             _, srv, started = self.held
@@ -147,6 +173,40 @@ def start_default(
     return start
 
 
+@pytest.fixture(scope="session")
+def start_observed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[], tuple[Server, Launched]]:
+    """Starts the observed profile, `OBSERVED_CONFIG`: scraped by Prometheus, then drained."""
+
+    def start() -> tuple[Server, Launched]:
+        data = tmp_path_factory.mktemp("observed-data")
+        (data / "server.yaml").write_text(OBSERVED_CONFIG)
+        return start_server(data, data / "server.yaml")
+
+    return start
+
+
+@pytest.fixture(scope="session")
+def start_hosted(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, postgres_url: str
+) -> Callable[[], tuple[Server, Launched]]:
+    """Starts the hosted profile (tests/e2e/hosted_profile.py: Postgres, Redis, two gateway
+    replicas, JWT, quotas)."""
+    from tests.e2e.hosted_profile import start_hosted_server  # it imports this module
+
+    return lambda: start_hosted_server(tmp_path_factory, redis_url, postgres_url)
+
+
+@pytest.fixture(scope="session")
+def start_mg(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], tuple[Server, Launched]]:
+    """Starts the megatron profile through the Megatron quick-start launcher
+    (tests/e2e/quickstart.py: TP=2, beside the same weights on the Transformers backend)."""
+    from tests.e2e.quickstart import start_megatron_quickstart  # it imports this module
+
+    return lambda: start_megatron_quickstart(tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
 def server(pool: ServerPool, start_default) -> Server:
     return pool.get("default", start_default)
@@ -169,25 +229,30 @@ def _own_cluster_runs_alone(request: pytest.FixtureRequest) -> None:
 #: starter fixture -> its pool profile (a test's fixture closure names the profiles it uses)
 PROFILE_OF_FIXTURE = {
     "start_default": "default",
-    "start_vl": "vl",
     "start_mg": "megatron",
     "start_hosted": "hosted",
-    "start_pg": "postgres",
+    "start_observed": "observed",
 }
 #: run order: tests without a server, then each profile once, then the own-cluster tests
 #: (``default`` right before ``megatron``: the parity test on both starts neither again)
-ORDER = ["none", "vl", "default", "megatron", "hosted", "postgres", "own_cluster"]
+ORDER = ["none", "default", "megatron", "hosted", "observed", "own_cluster"]
 
 
 def _group(item: pytest.Item) -> tuple[int, int]:
-    """(place in `ORDER`, 0 for a test on two profiles else 1). A test on two profiles (the
-    Megatron parity test: ``default``, then ``megatron``) runs first in its last profile's group,
-    while the first is still alive from its own group; it asks for them in `ORDER`."""
+    """(place in `ORDER`, 0 for a test on two profiles, 2 for a module that sets
+    ``LAST_ON_ITS_SERVER``, else 1). A test on two profiles (the Megatron parity test:
+    ``default``, then ``megatron``) runs first in its last profile's group, while the first is
+    still alive from its own group; it asks for them in `ORDER`. A module that leaves server-wide
+    state behind (the API fuzz as an admin: org quotas, users) or stops the server (the drain
+    test) runs after the rest of its group."""
     if item.get_closest_marker("own_cluster") is not None:
         return ORDER.index("own_cluster"), 1
     names = getattr(item, "fixturenames", ())
     profiles = {PROFILE_OF_FIXTURE[n] for n in names if n in PROFILE_OF_FIXTURE}
-    return max((ORDER.index(p) for p in profiles), default=0), int(len(profiles) < 2)
+    if len(profiles) > 1:
+        return max(ORDER.index(p) for p in profiles), 0
+    last = getattr(getattr(item, "module", None), "LAST_ON_ITS_SERVER", False)
+    return max((ORDER.index(p) for p in profiles), default=0), 2 if last else 1
 
 
 @pytest.hookimpl(trylast=True)

@@ -26,18 +26,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 import tinker
-import yaml
 from tinker import types
 
-from tests.e2e.conftest import TWINKLE, Server, start_server
+from tests.e2e.conftest import TWINKLE, Server
+from tests.e2e.hosted_profile import set_quotas
 from tests.e2e.test_serve_lifecycle import _listener_commands
-from tests.gateway.harness import fresh_postgres_db
 
 pytestmark = pytest.mark.e2e
-CLIENT = Path(__file__).resolve().parents[2] / "cookbook" / "client"
 BASE = "twinkle/tiny-chat"
+CLIENT = Path(__file__).resolve().parents[2] / "cookbook" / "client"
 SCRIPTS = [
     "twinkle/modelscope/dpo.py",
     "twinkle/modelscope/self_cognition.py",
@@ -47,8 +45,6 @@ SCRIPTS = [
     "tinker/modelscope/self_cognition.py",
     "tinker/modelscope/short_math_grpo.py",
 ]
-#: the service's defaults for every user ("quotas set"): generous enough for these scripts
-DEFAULT_QUOTAS = {"max_training_clients": 4, "max_lora_rank": 32, "sample_tokens_per_minute": 50000}
 #: the throttled run: twinkle/modelscope/self_cognition.py --max-steps 8 sends 8 passes of 70-95
 #: tokens (~690 in all; the data and the loader's seed are fixed). A sliding minute of 400 admits
 #: about half of them, so the run must wait for its first tokens to leave the window (~60 s) once,
@@ -112,14 +108,7 @@ class Hosted:
         """A new user's API key, with ``quotas`` overriding the defaults for them."""
         key = self.server.create_key(name)
         if quotas:
-            limits = [f"{k}={v}" for k, v in quotas.items()]
-            subprocess.run(
-                [TWINKLE, "quotas", "set", "--user", name, *limits],
-                env=self.server.env,
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
+            set_quotas(self.server, name, **quotas)
         return key
 
     def env(self, key: str | None, url: str | None = None) -> dict[str, str]:
@@ -158,46 +147,6 @@ class Hosted:
             headers={"X-API-Key": key},
             timeout=30,
         )
-
-
-@pytest.fixture(scope="module")
-def start_hosted(tmp_path_factory, redis_url, postgres_url):
-    """Starts the hosted configuration's server (the pool's ``hosted`` profile)."""
-    return lambda: _start_hosted(tmp_path_factory, redis_url, postgres_url)
-
-
-def _start_hosted(tmp_path_factory, redis_url: str, postgres_url: str):
-    redis.Redis.from_url(redis_url).flushdb()  # the session's Redis: no other test's state
-    data = tmp_path_factory.mktemp("hosted-data")
-    config = {
-        "models": [
-            {
-                "name": BASE,
-                "backend": "transformers",
-                "execution": "sequential",  # no start-up probe: the CPUs are few
-                "sampler_type": "torch",
-                "trainer": {"num_replicas": 1, "num_cpus": 0.25},
-                "sampler": {"num_replicas": 1, "num_cpus": 0.25},
-            },
-            {  # twinkle/modelscope/multi_modal.py's vision-language model
-                "name": "twinkle/tiny-vl",
-                "backend": "transformers",
-                "execution": "sequential",
-                "sampler_type": "torch",
-                "trainer": {"num_replicas": 1, "num_cpus": 0.25},
-                "sampler": {"num_replicas": 1, "num_cpus": 0.25},
-            },
-        ],
-        "gateway": {
-            "num_replicas": 2,
-            "redis_url": redis_url,
-            "jwt_enabled": True,
-            "default_user_quotas": DEFAULT_QUOTAS,
-        },
-    }
-    (data / "server.yaml").write_text(yaml.safe_dump(config))
-    env = {"TWINKLE_DATABASE_URL": fresh_postgres_db(postgres_url)}
-    return start_server(data, data / "server.yaml", env=env)
 
 
 @pytest.fixture(scope="module")

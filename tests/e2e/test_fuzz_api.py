@@ -1,4 +1,5 @@
-"""The whole HTTP API fuzzed against a real `twinkle serve` (its engine, on Postgres): schemathesis
+"""The whole HTTP API fuzzed against a real `twinkle serve` (the pool's ``hosted`` profile: its
+engine, on Postgres, behind two gateway replicas; quotas lifted for the fuzz users): schemathesis
 over /openapi.json (coverage, fuzzing and stateful phases) as a user and as an admin, so every
 operation is reached past auth; then our own generator over the protobuf and streaming routes.
 No 5xx, no response slower than the request timeout, and the server healthy afterwards.
@@ -30,11 +31,13 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.conftest import DEFAULT_CONFIG, start_server
 from tests.e2e.fuzz_inputs import SEQ_EDGE, proto_bodies, stream_bodies
-from tests.gateway.harness import fresh_postgres_db
+from tests.e2e.hosted_profile import set_quotas
 
 pytestmark = pytest.mark.e2e
+#: the admin fuzz changes server-wide state (org quotas, users, orgs): the hosted profile's other
+#: tests run first (tests/e2e/conftest.py `_group`)
+LAST_ON_ITS_SERVER = True
 BASE = "twinkle/tiny-chat"
 SECONDS = int(os.environ.get("TWINKLE_FUZZ_SECONDS", "45"))
 COUNT = int(os.environ.get("TWINKLE_FUZZ_COUNT", "120"))
@@ -48,24 +51,29 @@ _ADMIN_LOCKOUT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def start_pg(tmp_path_factory: pytest.TempPathFactory, postgres_url: str):
-    """Starts the module's server: the default one, on Postgres (the production database: it
-    enforces what SQLite lets through, 32-bit INTEGER ids, VARCHAR lengths, no NUL in text; the
-    values SQLite alone refuses, past 64 bits, are bounded on the wire for both)."""
-
-    def start():
-        data = tmp_path_factory.mktemp("twinkle-fuzz")
-        (data / "server.yaml").write_text(DEFAULT_CONFIG)
-        env = {"TWINKLE_DATABASE_URL": fresh_postgres_db(postgres_url)}
-        return start_server(data, data / "server.yaml", env=env)
-
-    return start
+#: the fuzz users' quotas: past anything the fuzz sends, so that a request fails on its contents,
+#: not on the hosted profile's default quotas (4 training clients, rank 32, 50k tokens a minute)
+UNLIMITED = {
+    "max_training_clients": 10**9,
+    "max_lora_rank": 10**9,
+    "sample_tokens_per_minute": 10**12,
+    "train_tokens_per_minute": 10**12,
+}
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(pool, start_pg):
-    return pool.get("postgres", start_pg)
+def fuzz_server(pool, start_hosted):
+    """The hosted profile's server: Postgres (the production database: it enforces what SQLite
+    lets through, 32-bit INTEGER ids, VARCHAR lengths, no NUL in text; the values SQLite alone
+    refuses, past 64 bits, are bounded on the wire for both), two gateway replicas sharing Redis,
+    JWT mode on (an API key is still a credential on every route)."""
+    return pool.get("hosted", start_hosted)
+
+
+def _fuzz_key(srv, user: str, admin: bool = False) -> str:
+    key = srv.create_key(user, admin=admin)
+    set_quotas(srv, user, **UNLIMITED)
+    return key
 
 
 def _schemathesis(url: str, key: str, seed: int, extra: list[str], report: Path) -> str:
@@ -117,7 +125,7 @@ def _healthy(srv) -> None:
 
 @pytest.mark.parametrize("role", ["user", "admin"])
 def test_schemathesis_finds_no_server_error(fuzz_server, tmp_path, role) -> None:
-    key = fuzz_server.create_key(f"fuzz-{role}", admin=role == "admin")
+    key = _fuzz_key(fuzz_server, f"fuzz-{role}", admin=role == "admin")
     extra = _SELF_LOCKOUT + (_ADMIN_LOCKOUT if role == "admin" else [])
     text = _schemathesis(fuzz_server.url, key, SEED, extra, tmp_path / "junit.xml")
     tested = int(re.search(r"Tested: (\d+)", text).group(1))  # type: ignore[union-attr]
@@ -143,7 +151,7 @@ def _section(text: str, title: str) -> str:
 
 
 def test_protobuf_and_streaming_routes_survive_hostile_bodies(fuzz_server) -> None:
-    key = fuzz_server.create_key("fuzz-proto")
+    key = _fuzz_key(fuzz_server, "fuzz-proto")
     sc = tinker.ServiceClient(base_url=fuzz_server.url, api_key=key)
     tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
     headers = {"X-API-Key": key, "Content-Type": "application/x-protobuf"}

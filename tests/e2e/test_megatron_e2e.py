@@ -1,6 +1,7 @@
-"""`use_megatron: true` through a real `twinkle serve`: the tiny model on the Megatron backend
-split over two tensor-parallel Ray actors (gloo on CPU), served beside the same weights on the
-Transformers backend, driven by the unmodified Tinker SDK and by the native client.
+"""`use_megatron: true` through a real `twinkle serve`, started by the Megatron quick start
+(tests/e2e/quickstart.py): the tiny model on the Megatron backend split over two tensor-parallel
+Ray actors (gloo on CPU), served beside the same weights on the Transformers backend, driven by
+the unmodified Tinker SDK and by the native client.
 
 * every Tinker loss, optim_step, save_state, sampler weights and sampling: Megatron losses equal
   the Transformers backend's step by step, and the greedy samples of the two trained adapters are
@@ -19,12 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
-import yaml
 from tinker import types
 
 import twinkle_client
-from tests.e2e.conftest import start_server
-from tests.tiny_models import seed_models
+from tests.e2e.quickstart import TF_TWIN
 from tests.twinkle_scripts import hf_data, roll, sft_script
 from twinkle_client.model import MultiLoraTransformersModel as RemoteModel
 
@@ -32,41 +31,8 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("megatron.core")
 
 MG = "twinkle/tiny-chat"  # the built-in model, on the Megatron backend (TP=2)
-TF = "tiny-transformers"  # the same folder on the Transformers backend
+TF = TF_TWIN  # the same folder on the Transformers backend
 LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
-
-
-@pytest.fixture(scope="module")
-def start_mg(tmp_path_factory: pytest.TempPathFactory):
-    """Starts the module's server: the tiny model on Megatron (TP=2) and on Transformers."""
-
-    def start():
-        data_dir = tmp_path_factory.mktemp("twinkle-megatron")
-        model_dir = seed_models(data_dir, (MG,)) / "tiny-chat"  # what `serve` would build
-        config = {
-            "models": [
-                {
-                    "name": MG,
-                    "use_megatron": True,
-                    "execution": "sequential",
-                    "megatron": {"tensor_parallel": 2, "worker_num_cpus": 0.25},
-                    "trainer": {"num_cpus": 0.25},
-                    "sampler": {"num_cpus": 0.25},
-                },
-                {
-                    "name": TF,
-                    "path": str(model_dir),
-                    "execution": "sequential",
-                    "trainer": {"num_cpus": 0.25},
-                    "sampler": {"num_cpus": 0.25},
-                },
-            ]
-        }
-        path = data_dir / "server.yaml"
-        path.write_text(yaml.safe_dump(config))
-        return start_server(data_dir, path)
-
-    return start
 
 
 @pytest.fixture(scope="module")

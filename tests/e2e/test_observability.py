@@ -25,7 +25,7 @@ import tinker
 from tinker import types
 
 from tests import services
-from tests.e2e.conftest import TWINKLE, start_server, stop_server
+from tests.e2e.conftest import TWINKLE
 from tests.observability import (
     alert_queries,
     instantiate,
@@ -36,7 +36,7 @@ from tests.observability import (
     signal as alert_signal,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.own_cluster]
+pytestmark = pytest.mark.e2e
 BASE = "twinkle/tiny-chat"
 SCRAPE_S = 0.5
 DENIALS = 55
@@ -47,34 +47,23 @@ LABELS = {
     "__name__", "job", "instance", "model", "replica", "role", "op", "kind", "category", "state",
     "mode", "le", "method", "route", "status", "quota", "level",
 }  # fmt: skip
-CONFIG = """
-models:
-  - name: twinkle/tiny-chat
-    execution: sequential
-    sampler: {num_replicas: 2}
-"""
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """(server, Prometheus URL): `twinkle serve` and a Prometheus on the shipped config."""
+def stack(tmp_path_factory, pool, start_observed):
+    """(server, Prometheus URL): the pool's ``observed`` profile (one Trainer, two Samplers) and a
+    Prometheus on the shipped config."""
     try:
         services.prometheus_binaries()
     except FileNotFoundError as exc:
         if os.environ.get("CI"):
             raise
         pytest.skip(str(exc))
-    data = tmp_path_factory.mktemp("obs-data")
-    cfg = data / "server.yaml"
-    cfg.write_text(CONFIG)
-    srv, log = start_server(data, cfg)
+    srv = pool.get("observed", start_observed)
     prom_dir = tmp_path_factory.mktemp("obs-prom")
-    prom_cfg = prometheus_config(prom_dir, srv.url.removeprefix("http://"), data, SCRAPE_S)
-    try:
-        with services.run_prometheus(prom_cfg) as prom:
-            yield srv, prom
-    finally:
-        stop_server(srv, log)
+    prom_cfg = prometheus_config(prom_dir, srv.url.removeprefix("http://"), srv.data_dir, SCRAPE_S)
+    with services.run_prometheus(prom_cfg) as prom:
+        yield srv, prom
 
 
 def query(prom: str, expr: str) -> list[dict]:

@@ -13,10 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
-import yaml
 from tinker import types
-
-from tests.e2e.conftest import start_server
 
 pytestmark = pytest.mark.e2e
 VL = "twinkle/tiny-vl"
@@ -28,31 +25,10 @@ FAILED = (tinker.RequestFailedError, tinker.APIStatusError)
 
 
 @pytest.fixture(scope="module")
-def start_vl(tmp_path_factory):
-    """Starts the module's server: the tiny VL model with small image caps."""
-
-    def start():
-        data = tmp_path_factory.mktemp("vl-server")
-        cfg = {
-            "models": [
-                {
-                    "name": VL,
-                    "execution": "sequential",
-                    "trainer": {"num_replicas": 1, "num_cpus": 0.5},
-                    "sampler": {"num_replicas": 1, "num_cpus": 0.5},
-                    "images": {"max_per_request": 8, "max_bytes": 4096},
-                }
-            ]
-        }
-        (data / "server.yaml").write_text(yaml.safe_dump(cfg))
-        return start_server(data, data / "server.yaml")
-
-    return start
-
-
-@pytest.fixture(scope="module")
-def vl_server(pool, start_vl):
-    return pool.get("vl", start_vl)
+def vl_server(pool, start_hosted):
+    """The pool's ``hosted`` profile: it serves the tiny VL model with small image caps
+    (tests/e2e/hosted_profile.py)."""
+    return pool.get("hosted", start_hosted)
 
 
 @pytest.fixture(scope="module")
