@@ -32,6 +32,11 @@ from tests.tiny_models import seed_models
 REPO = Path(__file__).resolve().parents[2]
 TWINKLE = str(Path(sys.executable).parent / "twinkle")
 STARTUP_TIMEOUT_S = 240
+#: a client's server and key: never inherited from the test process into `Server.env` (which
+#: tests hand to client subprocesses), where they would point an SDK at another server or key
+CLIENT_ENV = frozenset(
+    {"TINKER_BASE_URL", "TINKER_API_KEY", "TWINKLE_SERVER_URL", "TWINKLE_SERVER_TOKEN"}
+)
 #: the default profile's config: no start-up probe (`execution: auto` has its own unit tests and
 #: the zero-config start is tests/e2e/test_serve_lifecycle.py's)
 DEFAULT_CONFIG = "models:\n  - name: twinkle/tiny-chat\n    execution: sequential\n"
@@ -84,7 +89,7 @@ def start_server(
     seed_models(data_dir)
     port = _free_port()
     env = dict(
-        os.environ,
+        {k: v for k, v in os.environ.items() if k not in CLIENT_ENV},
         TWINKLE_DATA_DIR=str(data_dir),
         TINKER_TELEMETRY="0",
         HF_HUB_OFFLINE="1",

@@ -12,8 +12,11 @@ from twinkle_client import init_tinker_client, tinker_compat
 def test_env_paths_and_idempotence(monkeypatch):
     monkeypatch.setenv("TWINKLE_SERVER_URL", "http://127.0.0.1:9/")
     monkeypatch.setenv("TWINKLE_SERVER_TOKEN", "tml-abc")
-    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
-    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    for name in ("TINKER_BASE_URL", "TINKER_API_KEY"):
+        # set first so monkeypatch records it: what init_tinker_client exports is undone after the
+        # test (a key left in os.environ would reach every later subprocess, e.g. an SDK's headers)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     init_tinker_client()
     import os
 
