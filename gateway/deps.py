@@ -107,7 +107,8 @@ def owned_session(db: Session, who: Principal, session_id: str) -> SessionRow:
 
 
 def owned_run(db: Session, who: Principal, model_id: str, *, live: bool = False) -> TrainingRunRow:
-    """The caller's run; with ``live`` (training requests) its session must not have expired."""
+    """The caller's run; with ``live`` (training requests) its session must not have ended: an
+    ended session's adapters were released (`gateway.runs.expiry.finish_sessions`), 410."""
     row = db.get(TrainingRunRow, model_id)
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"model_id: model {model_id!r} not found")
@@ -116,6 +117,12 @@ def owned_run(db: Session, who: Principal, model_id: str, *, live: bool = False)
         from gateway.runs.expiry import expired_session_message
 
         raise GoneError(f"model_id: {model_id}: " + expired_session_message(session.id))
+    if session is not None and session.finished_at is not None:
+        raise GoneError(
+            f"model_id: {model_id}: session {session.id} was finished, so its models were "
+            "released (checkpoints you saved are kept); create a new ServiceClient and resume "
+            "with create_training_client_from_state(<tinker:// path of a saved state>)"
+        )
     return row
 
 

@@ -7,6 +7,7 @@ stops being readable."""
 from __future__ import annotations
 
 import json
+import time
 
 from tests.gateway.harness import BASE, set_quota
 
@@ -63,3 +64,53 @@ def test_native_loads_into_new_adapter_names_take_training_client_slots(make_gat
     assert r.status_code == 403 and "max_lora_rank" in r.text, r.text
     set_quota(gw.db_url, "user", "carol", "max_lora_rank", None)
     u.post("load", {"name": path, "adapter_name": "c"})
+
+
+def _trainer_adapters(gw, admin: str) -> set[str]:
+    """The adapters the Trainer holds (the admin engine page: every replica's adapter table)."""
+    r = gw.client.get("/api/v1/admin/engine", headers={"X-API-Key": admin})
+    assert r.status_code == 200, r.text
+    return {a["model_id"] for a in r.json()["models"][BASE]["trainer"]["adapters"]}
+
+
+def test_finishing_a_session_releases_its_adapters(make_gateway):
+    """finish_session gives back the training-client slots *and* unloads the adapters: four
+    rounds of (new session, two models, finish) under a cap of 2 leave the Trainer holding at
+    most 2 of this tenant's adapters, and a finished session's model answers 410. An adapter
+    whose release failed (its session finished but the Trainer still holds it) is released by
+    the background sweep."""
+    from sqlmodel import Session
+
+    from gateway.db import make_engine
+    from gateway.db.tables import SessionRow, utcnow
+    from tests.gateway.harness import fwdbwd, model, session
+
+    gw = make_gateway(session_sweep_seconds=0.3)
+    admin = gw.key("root", org="ops", scope="admin")
+    key = gw.key("dave")
+    set_quota(gw.db_url, "user", "dave", "max_training_clients", 2)
+    c, h = gw.client, {"X-API-Key": key}
+    last: list[str] = []
+    for _ in range(4):
+        sid = session(c, key)
+        last = [model(c, key, sid, i) for i in range(2)]
+        assert set(last) <= _trainer_adapters(gw, admin)
+        r = c.post(f"/api/v1/sessions/{sid}/finish", json={}, headers=h)
+        assert r.status_code == 200, r.text
+        assert not set(last) & _trainer_adapters(gw, admin)
+    r = fwdbwd(c, key, last[0], 1)
+    assert r.status_code == 410 and "finished" in r.text, r.text
+    # a finished session whose adapters are still loaded: the sweep releases them
+    sid = session(c, key)
+    mid = model(c, key, sid, 0)
+    db = make_engine(gw.db_url)
+    with Session(db) as s:
+        row = s.get(SessionRow, sid)
+        row.finished_at, row.finish_reason = utcnow(), "success"
+        s.add(row)
+        s.commit()
+    db.dispose()
+    deadline = time.monotonic() + 10
+    while mid in _trainer_adapters(gw, admin) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert mid not in _trainer_adapters(gw, admin)
