@@ -82,6 +82,13 @@ class GatewayConfig(_Strict):
         description="Most datums in one forward / forward_backward request; more fail that "
         "request (in seq order) with a message naming this limit, before any compute",
     )
+    max_ephemeral_saves: int = Field(
+        default=8,
+        ge=1,
+        description="Ephemeral sampler saves (Tinker save_weights_for_sampler without a name) "
+        "kept per user; recording a newer one deletes the oldest (its sampling session then "
+        "answers 404). Named saves are under max_checkpoints instead",
+    )
 
 
 class ServerConfig(EngineConfig):

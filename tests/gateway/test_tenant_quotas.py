@@ -114,3 +114,116 @@ def test_finishing_a_session_releases_its_adapters(make_gateway):
     while mid in _trainer_adapters(gw, admin) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert mid not in _trainer_adapters(gw, admin)
+
+
+# -- Tinker checkpoints: ephemeral saves, copies, sampling sessions on others' checkpoints ------
+
+
+def _tinker(make_gateway, **config):
+    """(client sending alice's key, bob's key, the app env)."""
+    gw = make_gateway(metadata_only_min_bytes=0, **config)
+    gw.client.headers["X-API-Key"] = gw.key("alice")
+    return gw.client, gw.key("bob"), gw
+
+
+def _sample(client, sampler_id: str, headers: dict | None = None):
+    """Submit one 2-token sample from a sampling session: the response (a future, or an error)."""
+    body = {
+        "sampling_session_id": sampler_id,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 2},
+    }
+    return client.post("/api/v1/asample", json=body, headers=headers or {})
+
+
+def _db_rows(gw, table, *where):
+    from sqlmodel import Session, select
+
+    from gateway.db import make_engine
+
+    db = make_engine(gw.db_url)
+    try:
+        with Session(db) as s:
+            return list(s.exec(select(table).where(*where)).all())
+    finally:
+        db.dispose()
+
+
+def test_ephemeral_sampler_saves_keep_only_the_newest(make_gateway):
+    """Ephemeral save_weights_for_sampler (no name) are bounded per user by
+    gateway.max_ephemeral_saves: a newer one deletes the oldest (files, row, its sampling
+    session, which then answers 404); the newest keep sampling."""
+    from gateway.db.tables import CheckpointRow
+    from tests.gateway.harness import model, wait_future
+
+    client, _, gw = _tinker(make_gateway, gateway={"max_ephemeral_saves": 3})
+    mid = model(client, None)
+    samplers = []
+    for i in range(1, 7):
+        body = {"model_id": mid, "seq_id": i, "sampling_session_seq_id": i}
+        fut = client.post("/api/v1/save_weights_for_sampler", json=body)
+        assert fut.status_code == 200, fut.text
+        samplers.append(wait_future(client, None, fut.json())["sampling_session_id"])
+    kept = _db_rows(gw, CheckpointRow, CheckpointRow.ephemeral == True)  # noqa: E712
+    assert sorted(r.name for r in kept) == ["ephemeral-4", "ephemeral-5", "ephemeral-6"]
+    on_disk = [p for p in (gw.data / "checkpoints").rglob("ephemeral-*") if p.is_dir()]
+    assert len(on_disk) == 3, on_disk
+    assert _sample(client, samplers[0]).status_code == 404
+    fut = _sample(client, samplers[-1])
+    assert fut.status_code == 200, fut.text
+    assert wait_future(client, None, fut.json(), allow_metadata_only=False).status_code == 200
+
+
+def test_copy_weights_is_a_metered_save_under_the_checkpoint_caps(make_gateway):
+    """A copy takes a max_checkpoints slot and writes a ``checkpoint`` usage row like any save;
+    a copy refused at the cap leaves no run or session behind."""
+    from gateway.db.tables import SessionRow, TrainingRunRow, UsageBucketRow
+    from tests.gateway.harness import model
+    from tests.gateway.tinker_rest import save
+
+    client, _, gw = _tinker(make_gateway)
+    set_quota(gw.db_url, "user", "alice", "max_checkpoints", 2)
+    path = save(client, model(client, None), 1, "save_weights", "src")
+    r = client.post(
+        "/api/v1/copy_weights", json={"source_path": path, "destination_project_id": "p"}
+    )
+    assert r.status_code == 200, r.text
+    ledger = _db_rows(gw, UsageBucketRow, UsageBucketRow.kind == "checkpoint")
+    assert sum(row.quantity for row in ledger) == 2  # the save and the copy
+    runs, sessions = len(_db_rows(gw, TrainingRunRow)), len(_db_rows(gw, SessionRow))
+    r = client.post(
+        "/api/v1/copy_weights", json={"source_path": path, "destination_project_id": "p"}
+    )
+    assert r.status_code == 403 and "max_checkpoints" in r.text, r.text
+    assert (len(_db_rows(gw, TrainingRunRow)), len(_db_rows(gw, SessionRow))) == (runs, sessions)
+
+
+def test_sampling_session_on_a_published_checkpoint_stops_when_unpublished(make_gateway):
+    """Bob's sampling session on alice's published checkpoint answers 404 (naming the session)
+    once alice unpublishes it, and again once a TTL expires it after she republishes."""
+    from tests.gateway.harness import model, session, wait_future
+    from tests.gateway.tinker_rest import save
+
+    client, bob, _ = _tinker(make_gateway)
+    path = save(client, model(client, None), 1, "save_weights_for_sampler", "pub")
+    ckpt_url = "/api/v1/training_runs/{}/checkpoints/{}".format(*path[9:].split("/", 1))
+    assert client.post(f"{ckpt_url}/publish").status_code == 200
+    as_bob = {"X-API-Key": bob}
+    sid = session(client, bob)
+    body = {"session_id": sid, "sampling_session_seq_id": 0, "model_path": path}
+    r = client.post("/api/v1/create_sampling_session", json=body, headers=as_bob)
+    assert r.status_code == 200, r.text
+    sampler = r.json()["sampling_session_id"]
+    fut = _sample(client, sampler, as_bob)
+    assert fut.status_code == 200, fut.text
+    assert wait_future(client, bob, fut.json(), allow_metadata_only=False).status_code == 200
+    assert client.delete(f"{ckpt_url}/publish").status_code == 200
+    r = _sample(client, sampler, as_bob)
+    assert r.status_code == 404 and "sampling_session_id" in r.text, r.text
+    # published again, then past its TTL
+    assert client.post(f"{ckpt_url}/publish").status_code == 200
+    assert _sample(client, sampler, as_bob).status_code == 200
+    assert client.put(f"{ckpt_url}/ttl", json={"ttl_seconds": 1}).status_code == 200
+    time.sleep(1.2)
+    r = _sample(client, sampler, as_bob)
+    assert r.status_code == 404 and "sampling_session_id" in r.text, r.text
