@@ -25,6 +25,7 @@ from gateway.config import ServerConfig
 from gateway.db.tables import CheckpointRow, SessionRow, TrainingRunRow, UserRow, utcnow
 from gateway.engine_client import EngineClient
 from gateway.runs.checkpoints import CHECKPOINT_DELETED, delete_checkpoint
+from gateway.runs.retention import prune_rows
 
 log = logging.getLogger(__name__)
 EXPIRED = "expired"
@@ -145,6 +146,7 @@ async def sweep_forever(
         try:
             await expire_sessions(db_engine, engine, config.session_timeout_seconds, quotas)
             await release_finished_adapters(db_engine, engine)
+            prune_rows(db_engine, config.gateway)
             with Session(db_engine) as db:
                 if checkpoint_deleted is not None:
                     db.info[CHECKPOINT_DELETED] = checkpoint_deleted

@@ -227,3 +227,76 @@ def test_sampling_session_on_a_published_checkpoint_stops_when_unpublished(make_
     time.sleep(1.2)
     r = _sample(client, sampler, as_bob)
     assert r.status_code == 404 and "sampling_session_id" in r.text, r.text
+
+
+# -- stored rows: custom losses, metadata, request traces --------------------------------------
+
+
+def _loss_body(sid: str, seq: int) -> dict:
+    """A valid traced loss (the sum of the logprobs) for create_custom_loss."""
+    nodes = [
+        {"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+        {"op": "call_function", "name": "s", "target": "torch.sum", "args": [{"ref": "logprobs"}]},
+        {
+            "op": "output",
+            "name": "output",
+            "target": "output",
+            "args": [{"tuple": [{"ref": "s"}, {"dict": {}}]}],
+        },
+    ]
+    return {
+        "session_id": sid,
+        "custom_loss_seq_id": seq,
+        "name": "sum",
+        "inputs": [{"name": "logprobs", "rank": 1}],
+        "graph": {"format": 1, "nodes": nodes},
+    }
+
+
+def test_stored_rows_are_bounded_and_pruned(make_gateway):
+    """Custom losses: at most gateway.max_custom_losses per user in live sessions (403), an
+    ended session's deleted by the sweep; user_metadata over 16 KiB and too many tags are 400s
+    naming the field; request traces past their retention or the per-user cap are deleted."""
+    from gateway.db.tables import CustomLossRow, RequestTraceRow
+    from tests.gateway.harness import fwdbwd, model, session, wait_future
+
+    gw = make_gateway(
+        session_sweep_seconds=0.3,
+        gateway={"max_custom_losses": 2, "max_trace_rows_per_user": 3},
+    )
+    key = gw.key("erin")
+    c, h = gw.client, {"X-API-Key": key}
+    sid = session(c, key)
+    for seq in range(2):
+        r = c.post("/api/v1/create_custom_loss", json=_loss_body(sid, seq), headers=h)
+        assert wait_future(c, key, r.json())["loss_id"], r.text
+    r = c.post("/api/v1/create_custom_loss", json=_loss_body(sid, 2), headers=h)
+    assert r.status_code == 403 and "max_custom_losses" in r.text, r.text
+    # the session ends: its losses are deleted, and a new session has room again
+    assert c.post(f"/api/v1/sessions/{sid}/finish", json={}, headers=h).status_code == 200
+    deadline = time.monotonic() + 10
+    while _db_rows(gw, CustomLossRow) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _db_rows(gw, CustomLossRow) == []
+    sid = session(c, key)
+    r = c.post("/api/v1/create_custom_loss", json=_loss_body(sid, 0), headers=h)
+    assert r.status_code == 200, r.text
+    # metadata and tags
+    big = {"user_metadata": {"blob": "x" * 17000}}
+    r = c.post("/api/v1/create_session", json=big, headers=h)
+    assert r.status_code == 400 and "user_metadata" in r.text, r.text
+    r = c.post("/api/v1/create_session", json={"tags": ["t"] * 33}, headers=h)
+    assert r.status_code == 400 and "tags" in r.text, r.text
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": BASE, **big}
+    r = c.post("/api/v1/create_model", json=body, headers=h)
+    assert r.status_code == 400 and "user_metadata" in r.text, r.text
+    # request traces: each finished training request of a session leaves a row; 3 are kept
+    mid = model(c, key, sid, 1)
+    for seq in range(1, 6):
+        assert wait_future(c, key, fwdbwd(c, key, mid, seq).json()).status_code == 200
+    deadline = time.monotonic() + 10
+    while len(_db_rows(gw, RequestTraceRow)) != 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    rows = _db_rows(gw, RequestTraceRow)
+    assert len(rows) == 3, [(r.kind, r.target) for r in rows]
+    assert {r.kind for r in rows} == {"forward_backward"}  # the newest kept
