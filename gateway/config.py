@@ -82,6 +82,29 @@ class GatewayConfig(_Strict):
         description="Most datums in one forward / forward_backward request; more fail that "
         "request (in seq order) with a message naming this limit, before any compute",
     )
+    max_ephemeral_saves: int = Field(
+        default=8,
+        ge=1,
+        description="Ephemeral sampler saves (Tinker save_weights_for_sampler without a name) "
+        "kept per user; recording a newer one deletes the oldest (its sampling session then "
+        "answers 404). Named saves are under max_checkpoints instead",
+    )
+    max_custom_losses: int = Field(
+        default=256,
+        ge=1,
+        description="Custom-loss graphs (create_custom_loss) one user may keep in sessions that "
+        "have not ended; one more is a 403. An ended session's losses are deleted by the sweep",
+    )
+    trace_retention_seconds: float = Field(
+        default=7 * 86400.0,
+        gt=0,
+        description="How long per-request session trace rows are kept (the sweep deletes older)",
+    )
+    max_trace_rows_per_user: int = Field(
+        default=200_000,
+        ge=1,
+        description="Session trace rows kept per user, the newest (the sweep deletes the rest)",
+    )
 
 
 class ServerConfig(EngineConfig):

@@ -6,10 +6,13 @@ theirs, so ids of other tenants leak nothing.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
+from annotated_types import Len
 from fastapi import Depends, Path, Query, Request
+from pydantic import AfterValidator, StringConstraints
 from sqlmodel import Session
 
 from engine.protocol import SEED_RANGE
@@ -68,6 +71,30 @@ SEED_MIN, SEED_MAX = SEED_RANGE
 #: the longest TTL a checkpoint or key may be given: 10 years (a larger one overflowed the expiry
 #: datetime: an OverflowError, a 500); None means no expiry
 MAX_TTL_S = 10 * 365 * 86400
+#: the most a request may store as a row's ``user_metadata`` (sessions, runs, checkpoints):
+#: bytes of its compact JSON. Labels and small configs fit (the SDK's are tens of bytes); more is
+#: a 400, so no tenant grows the DB by megabytes per row
+MAX_METADATA_BYTES = 16 * 1024
+#: a session's tags: at most this many, each at most `MAX_TAG_CHARS` characters
+MAX_TAGS, MAX_TAG_CHARS = 32, 128
+
+
+def _bounded_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None:
+        size = len(json.dumps(value, separators=(",", ":"), default=str).encode())
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(
+                f"{size} bytes of JSON; at most {MAX_METADATA_BYTES} bytes may be stored"
+            )
+    return value
+
+
+#: a request's ``user_metadata`` / ``metadata`` (bounded as above; a 400 naming the field)
+UserMetadata = Annotated[dict[str, Any] | None, AfterValidator(_bounded_metadata)]
+#: a session's tags on the wire
+Tags = Annotated[
+    list[Annotated[str, StringConstraints(max_length=MAX_TAG_CHARS)]], Len(0, MAX_TAGS)
+]
 #: the largest row id: id columns are INTEGER, 32-bit on Postgres (SERIAL), where comparing one
 #: with a larger number is 'integer out of range' (a 500)
 ROW_ID_MAX = 2**31 - 1
@@ -107,7 +134,8 @@ def owned_session(db: Session, who: Principal, session_id: str) -> SessionRow:
 
 
 def owned_run(db: Session, who: Principal, model_id: str, *, live: bool = False) -> TrainingRunRow:
-    """The caller's run; with ``live`` (training requests) its session must not have expired."""
+    """The caller's run; with ``live`` (training requests) its session must not have ended: an
+    ended session's adapters were released (`gateway.runs.expiry.finish_sessions`), 410."""
     row = db.get(TrainingRunRow, model_id)
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"model_id: model {model_id!r} not found")
@@ -116,6 +144,12 @@ def owned_run(db: Session, who: Principal, model_id: str, *, live: bool = False)
         from gateway.runs.expiry import expired_session_message
 
         raise GoneError(f"model_id: {model_id}: " + expired_session_message(session.id))
+    if session is not None and session.finished_at is not None:
+        raise GoneError(
+            f"model_id: {model_id}: session {session.id} was finished, so its models were "
+            "released (checkpoints you saved are kept); create a new ServiceClient and resume "
+            "with create_training_client_from_state(<tinker:// path of a saved state>)"
+        )
     return row
 
 

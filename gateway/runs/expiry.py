@@ -1,4 +1,9 @@
-"""Background expiry: silent sessions and checkpoints past their TTL.
+"""Background expiry: silent sessions and checkpoints past their TTL; how a session ends.
+
+`finish_sessions` ends sessions (the client's finish_session, and expiry): it gives back their
+training-client slots and releases their adapters from the Trainer. The sweep also releases any
+adapter a Trainer still holds for a finished session's run, so an adapter whose release failed
+cannot outlive the quota slot it was charged to.
 
 A session whose last heartbeat is older than ``session_timeout_seconds`` is marked finished with
 reason ``expired`` and the adapters of its training runs are released from the Trainer (their saved
@@ -20,6 +25,7 @@ from gateway.config import ServerConfig
 from gateway.db.tables import CheckpointRow, SessionRow, TrainingRunRow, UserRow, utcnow
 from gateway.engine_client import EngineClient
 from gateway.runs.checkpoints import CHECKPOINT_DELETED, delete_checkpoint
+from gateway.runs.retention import prune_rows
 
 log = logging.getLogger(__name__)
 EXPIRED = "expired"
@@ -49,6 +55,41 @@ def purge_expired_checkpoints(db: Session) -> list[tuple[int, str]]:
     return deleted
 
 
+async def release_adapters(engine: EngineClient, runs: list[tuple[str, str]]) -> None:
+    """Drop the adapters of ``runs`` ((base model, run id)) from their Trainers. Idempotent: an
+    adapter already gone (never created, released by another replica) is skipped."""
+    for base, run_id in runs:
+        if not engine.serves(base):
+            continue
+        try:
+            await engine.trainer(base).delete_adapter(run_id)
+        except Exception as exc:  # already gone, or its replica is down (the sweep retries)
+            log.info("releasing adapter %s of a finished session: %s", run_id, exc)
+
+
+async def finish_sessions(
+    db: Session, engine: EngineClient, quotas, sessions: list[SessionRow], reason: str
+) -> None:
+    """Mark ``sessions`` finished with ``reason``, give back their training-client slots and
+    release their adapters (their checkpoints stay). Every way a session ends comes here: the
+    client finishing it, and the expiry of a silent one."""
+    runs: list[tuple[str, str]] = []
+    slots: list[tuple[int, int | None, list[str]]] = []
+    for s in sessions:
+        s.finished_at = utcnow()
+        s.finish_reason = reason
+        db.add(s)
+        mine = list(db.exec(select(TrainingRunRow).where(TrainingRunRow.session_id == s.id)))
+        runs += [(r.base_model, r.id) for r in mine]
+        user = db.get(UserRow, s.user_id)
+        slots.append((s.user_id, user.org_id if user else None, [r.id for r in mine]))
+    db.commit()
+    if quotas is not None:
+        for user_id, org_id, run_ids in slots:
+            await quotas.release_training_clients(user_id, org_id, run_ids)
+    await release_adapters(engine, runs)
+
+
 async def expire_sessions(
     db_engine: Engine, engine: EngineClient, timeout_s: float, quotas=None
 ) -> list[str]:
@@ -56,36 +97,41 @@ async def expire_sessions(
     slots); the expired session ids."""
     cutoff = utcnow() - timedelta(seconds=timeout_s)
     with Session(db_engine) as db:
-        stale = db.exec(
-            select(SessionRow).where(
-                col(SessionRow.finished_at).is_(None), SessionRow.last_heartbeat_at < cutoff
+        stale = list(
+            db.exec(
+                select(SessionRow).where(
+                    col(SessionRow.finished_at).is_(None), SessionRow.last_heartbeat_at < cutoff
+                )
             )
-        ).all()
-        runs: list[tuple[str, str]] = []
-        slots: list[tuple[int, int | None, list[str]]] = []
-        for s in stale:
-            s.finished_at = utcnow()
-            s.finish_reason = EXPIRED
-            db.add(s)
-            mine = list(db.exec(select(TrainingRunRow).where(TrainingRunRow.session_id == s.id)))
-            runs += [(r.base_model, r.id) for r in mine]
-            user = db.get(UserRow, s.user_id)
-            slots.append((s.user_id, user.org_id if user else None, [r.id for r in mine]))
-        db.commit()
+        )
         ids = [s.id for s in stale]
-    if quotas is not None:
-        for user_id, org_id, run_ids in slots:
-            await quotas.release_training_clients(user_id, org_id, run_ids)
-    for base, run_id in runs:
-        if not engine.serves(base):
-            continue
-        try:
-            await engine.trainer(base).delete_adapter(run_id)
-        except Exception as exc:  # already gone (never created, or another replica released it)
-            log.info("releasing adapter %s of an expired session: %s", run_id, exc)
+        await finish_sessions(db, engine, quotas, stale, EXPIRED)
     if ids:
         log.info("expired %d silent session(s): %s", len(ids), ids)
     return ids
+
+
+async def release_finished_adapters(db_engine: Engine, engine: EngineClient) -> list[str]:
+    """Release every adapter a Trainer still holds for a run of a finished session (one whose
+    release failed when it finished, e.g. its replica was restarting); the run ids released.
+    Asks each Trainer replica which adapters it holds, so the work is bounded by the adapters
+    loaded, not by the history of finished sessions."""
+    released: list[str] = []
+    for base in engine.base_models:
+        held = {
+            a["model_id"] for st in await engine.every_trainer(base).stats() for a in st["adapters"]
+        }
+        if not held:
+            continue
+        with Session(db_engine) as db:
+            rows = db.exec(
+                select(TrainingRunRow.id)
+                .join(SessionRow, col(SessionRow.id) == TrainingRunRow.session_id)
+                .where(col(TrainingRunRow.id).in_(held), col(SessionRow.finished_at).is_not(None))
+            ).all()
+        await release_adapters(engine, [(base, r) for r in rows])
+        released += rows
+    return released
 
 
 async def sweep_forever(
@@ -99,6 +145,8 @@ async def sweep_forever(
         await asyncio.sleep(config.session_sweep_seconds)
         try:
             await expire_sessions(db_engine, engine, config.session_timeout_seconds, quotas)
+            await release_finished_adapters(db_engine, engine)
+            prune_rows(db_engine, config.gateway)
             with Session(db_engine) as db:
                 if checkpoint_deleted is not None:
                     db.info[CHECKPOINT_DELETED] = checkpoint_deleted

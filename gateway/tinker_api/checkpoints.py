@@ -8,8 +8,9 @@ copy_weights.
   looks at it, or by the background sweep, and answers 404 from then on. ``ttl_seconds: null``
   removes the expiry.
 * copy_weights makes a new training run (in a new session of the destination project, or in the
-  given session slot) holding a copy of the checkpoint. Files are hard-linked, so no bytes are
-  duplicated and deleting either copy leaves the other intact. The copy cannot be trained on (no
+  given session slot) holding a copy of the checkpoint, saved like any save
+  (`gateway.training.checkpoints`: quotas, usage ledger, row). Files are hard-linked, so no bytes
+  are duplicated and deleting either copy leaves the other intact. The copy cannot be trained on (no
   adapter is created for it); load it with create_training_client_from_state to continue training.
 """
 
@@ -24,11 +25,11 @@ from pathlib import Path
 from fastapi import APIRouter
 from pydantic import Field
 
+from gateway.context import ContextDep
 from gateway.db.tables import CheckpointRow, SessionRow, TrainingRunRow, utcnow
-from gateway.deps import MAX_TTL_S, DbDep, PrincipalDep, SettingsDep, owned_session
+from gateway.deps import MAX_TTL_S, DbDep, PrincipalDep, owned_session
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.quotas import QuotasDep
-from gateway.runs.checkpoints import ParsedPath, new_storage_dir, parse_path, readable_checkpoint
+from gateway.runs.checkpoints import parse_path, readable_checkpoint
 from gateway.tinker_api.schemas import (
     Checkpoint,
     CopyWeightsResponse,
@@ -36,6 +37,7 @@ from gateway.tinker_api.schemas import (
     WireRequest,
     returns,
 )
+from gateway.training import checkpoints
 from gateway.training.queries import checkpoint_json
 
 router = APIRouter(prefix="/api/v1")
@@ -141,14 +143,11 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 
 @router.post("/copy_weights", **returns(CopyWeightsResponse))
-async def copy_weights(
-    req: CopyWeightsRequest,
-    who: PrincipalDep,
-    db: DbDep,
-    settings: SettingsDep,
-    quotas: QuotasDep,
-) -> dict:
-    """Copy a readable checkpoint into one of your runs (hard links; quotas apply)."""
+async def copy_weights(req: CopyWeightsRequest, t: ContextDep) -> dict:
+    """Copy a readable checkpoint into one of your runs (hard links). A copy is a save of the
+    caller's (`gateway.training.checkpoints`): under their checkpoint count and bytes caps
+    (403, before any row or file is made) and in the usage ledger."""
+    db, who = t.db, t.who
     src = readable_checkpoint(db, who.user_id, req.source_path, "source_path")
     if src.ephemeral:
         raise InvalidRequestError("source_path: ephemeral sampler weights cannot be copied")
@@ -156,25 +155,46 @@ async def copy_weights(
     if source_run is None:
         raise NotFoundError(f"source_path: {req.source_path} not found")
     session, run_id = _copy_destination(db, who, req)
-    db.add(
-        TrainingRunRow(
-            id=run_id,
-            session_id=session.id,
-            user_id=who.user_id,
-            **source_run.adapter_shape(),
-            user_metadata={"copied_from": src.tinker_path},
-        )
+    run = TrainingRunRow(
+        id=run_id,
+        session_id=session.id,
+        user_id=who.user_id,
+        **source_run.adapter_shape(),
+        user_metadata={"copied_from": src.tinker_path},
     )
-    db.flush()  # the run row first: the checkpoint row's foreign key points at it
-    target = await _copy_checkpoint(
-        db, who, quotas, settings.data_dir, src, run_id, req.ttl_seconds
+    spec = checkpoints.SaveSpec(
+        kind=src.kind,
+        name=src.name,
+        overwrite=False,
+        ttl_seconds=req.ttl_seconds,
+        user_metadata=dict(src.user_metadata or {}),
+        include_optimizer=False,
     )
-    return {"tinker_path": target.tinker_path}
+    src_dir, size = Path(src.storage_dir), int(src.size_bytes or 0)
+    res = await checkpoints.reserve(t, run, spec, estimate=size)
+    db.add(session)
+    db.add(run)
+    db.commit()  # the run row first: the checkpoint row's foreign key points at it
+
+    async def link() -> int:
+        _link_tree(src_dir, res.directory)
+        return size
+
+    try:
+        size = await checkpoints.write(t, run, spec, res, link)
+    except BaseException:
+        db.delete(run)
+        if session.finish_reason == "copy":  # the session made for this copy only
+            db.delete(session)
+        db.commit()
+        raise
+    checkpoints.record(db.get_bind(), who.user_id, run, spec, res, size)
+    return {"tinker_path": res.parsed.tinker_path}
 
 
 def _copy_destination(db, who, req: CopyWeightsRequest) -> tuple[SessionRow, str]:
-    """(session, run id) of the copy: the given session slot, or run 0 of a new session in the
-    destination project."""
+    """(session, run id) of the copy: the given session slot, or run 0 of a new session (not
+    yet added) in the destination project."""
     if req.session_id is not None:
         if req.model_seq_id is None:
             raise InvalidRequestError("model_seq_id: required together with session_id")
@@ -196,33 +216,4 @@ def _copy_destination(db, who, req: CopyWeightsRequest) -> tuple[SessionRow, str
         finished_at=utcnow(),
         finish_reason="copy",
     )
-    db.add(session)
-    db.flush()
     return session, f"{session.id}:train:0"
-
-
-async def _copy_checkpoint(
-    db, who, quotas, data_dir: Path, src: CheckpointRow, run_id: str, ttl_seconds: int | None
-) -> ParsedPath:
-    """Hard-link ``src`` into run ``run_id`` and record it. A copy is a checkpoint of the
-    caller's: it counts toward their count and bytes caps (403)."""
-    target = ParsedPath(run_id, src.kind, src.name)
-    await quotas.reserve_checkpoint(who, target.tinker_path, int(src.size_bytes or 0), db)
-    directory = new_storage_dir(data_dir, who.user_id, target)
-    _link_tree(Path(src.storage_dir), directory)
-    db.add(
-        CheckpointRow(
-            run_id=run_id,
-            user_id=who.user_id,
-            kind=src.kind,
-            name=src.name,
-            tinker_path=target.tinker_path,
-            storage_dir=str(directory),
-            size_bytes=src.size_bytes,
-            user_metadata=dict(src.user_metadata or {}),
-            expires_at=None if ttl_seconds is None else utcnow() + timedelta(seconds=ttl_seconds),
-        )
-    )
-    db.commit()
-    await quotas.commit_checkpoint(who.user_id, who.org_id, target.tinker_path, src.size_bytes)
-    return target

@@ -5,7 +5,8 @@ Owns the wire schema of an upload (the SDK's ``CreateCustomLossRequest``: a trac
 ``{"format": 1, "nodes": [...]}``) with the bounds that keep an upload small before it travels
 (node count, argument nesting), the route (the engine checks the graph, the allow-list of
 operations included, and a refusal is a 400 naming the node; an accepted graph is stored per
-session, `gateway.db.tables.CustomLossRow`), and `attached_graph`: the stored graph of a
+session, `gateway.db.tables.CustomLossRow`, at most ``gateway.max_custom_losses`` per user in live
+sessions: 403 beyond), and `attached_graph`: the stored graph of a
 forward_backward's ``loss_fn_config.loss_id``, which must belong to the model's session.
 
 Advertised to the SDK as ``custom_loss_server_side`` (``/client/config``) unless the server
@@ -18,13 +19,15 @@ from typing import Any, Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import func
+from sqlmodel import col, select
 
 from engine.protocol import CustomLossGraph
 from engine.rules import CUSTOM_LOSS_FN, CUSTOM_LOSS_MAX_ARG_DEPTH, CUSTOM_LOSS_MAX_NODES
 from gateway.context import ContextDep, RequestContext
-from gateway.db.tables import CustomLossRow, TrainingRunRow
+from gateway.db.tables import CustomLossRow, SessionRow, TrainingRunRow
 from gateway.deps import owned_session
-from gateway.errors import InvalidRequestError
+from gateway.errors import InvalidRequestError, QuotaExceededError
 from gateway.futures.store import fingerprint
 from gateway.tinker_api.schemas import returns
 from gateway.tinker_api.sequenced import Prepared, submit_once
@@ -101,6 +104,27 @@ def _graph(req: CreateCustomLossRequest) -> CustomLossGraph:
     )
 
 
+def _check_room(t: RequestContext) -> None:
+    """403 when the caller keeps ``gateway.max_custom_losses`` losses in live sessions (an ended
+    session's are deleted by the sweep, gateway/runs/retention.py, and never count here)."""
+    cap = t.config.gateway.max_custom_losses
+    live = t.db.exec(
+        select(func.count())
+        .select_from(CustomLossRow)
+        .join(SessionRow, col(SessionRow.id) == CustomLossRow.session_id)
+        .where(CustomLossRow.user_id == t.who.user_id, col(SessionRow.finished_at).is_(None))
+    ).one()
+    if live >= cap:
+        raise QuotaExceededError(
+            f"custom losses: {live} are stored for your sessions that have not ended, the "
+            f"server keeps at most {cap} (gateway.max_custom_losses); finish sessions you no "
+            "longer use, which deletes their losses",
+            "max_custom_losses",
+            cap,
+            live,
+        )
+
+
 @router.post("/create_custom_loss", **returns(CustomLossFutureResponse))
 async def create_custom_loss(req: CreateCustomLossRequest, t: ContextDep) -> dict:
     """Check a traced loss (400 naming the node when refused) and keep it for this session;
@@ -123,6 +147,7 @@ async def create_custom_loss(req: CreateCustomLossRequest, t: ContextDep) -> dic
                 "this session"
             )
         if row is None:
+            _check_room(t)
             # Any Trainer checks it: the check needs torch, not a model.
             await t.engine.trainer(t.engine.base_models[0]).check_custom_loss(graph)
             t.db.add(

@@ -48,6 +48,22 @@ def _resolve_target(db, who, config, base_model: str | None, model_path: str | N
     return base_model, None, None
 
 
+def _session_target(t: RequestContext, row: SamplingSessionRow) -> tuple[str, str]:
+    """(base model, adapter dir) of a sampling session on a checkpoint, checked on every request:
+    the checkpoint must still be readable by the caller (another user's must still be
+    published; none may have expired or been deleted), else 404 naming the session."""
+    try:
+        base, adapter_dir, _ = _resolve_target(t.db, t.who, t.config, None, row.model_path)
+    except NotFoundError:
+        raise NotFoundError(
+            f"sampling_session_id: {row.id} samples {row.model_path}, which you can no longer "
+            "read (deleted, unpublished by its owner, expired, or an ephemeral save replaced by "
+            "newer ones); create a sampling session on a checkpoint you can read"
+        ) from None
+    assert adapter_dir is not None  # a model_path always resolves to a checkpoint's directory
+    return base, adapter_dir
+
+
 @router.post("/create_sampling_session", **returns(CreateSamplingSessionResponse))
 async def create_sampling_session(
     req: CreateSamplingSessionRequest, who: PrincipalDep, db: DbDep, config: ConfigDep
@@ -122,9 +138,9 @@ async def asample(req: SampleRequest, t: ContextDep) -> dict:
     if req.sampling_session_id:
         row = owned_sampler(t.db, t.who, req.sampling_session_id)
         trace = trace_tag(row.session_id, row.id)
-        base, adapter_dir = row.base_model, row.adapter_dir
-        if row.model_path and adapter_dir is None:
-            base, adapter_dir, _ = _resolve_target(t.db, t.who, t.config, None, row.model_path)
+        base, adapter_dir = row.base_model, None
+        if row.model_path:
+            base, adapter_dir = _session_target(t, row)
         idem = (row.id, req.seq_id) if req.seq_id is not None else None
     else:
         base, adapter_dir, _ = _resolve_target(

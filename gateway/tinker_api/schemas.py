@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from gateway.deps import MAX_TTL_S, SEED_MAX, SEED_MIN
+from gateway.deps import MAX_TTL_S, SEED_MAX, SEED_MIN, Tags, UserMetadata
 
 
 class WireRequest(BaseModel):
@@ -25,8 +25,8 @@ class ClientConfigRequest(WireRequest):
 
 
 class CreateSessionRequest(WireRequest):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
+    tags: Tags = Field(default_factory=list)
+    user_metadata: UserMetadata = None
     sdk_version: str | None = None
     # the columns' lengths (Postgres enforces them: a longer one would be a 500)
     project_id: str | None = Field(default=None, max_length=128)
@@ -59,7 +59,7 @@ class CreateModelRequest(WireRequest):
     model_seq_id: int = Field(ge=0)
     base_model: str
     lora_config: LoraConfigWire = Field(default_factory=LoraConfigWire)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata = None
     optimizer_config: dict[str, Any] | None = None
 
 
@@ -89,7 +89,7 @@ class SaveWeightsRequest(WireRequest):
     path: str | None = None
     overwrite: bool = False
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata = None
 
 
 class SaveWeightsForSamplerRequest(WireRequest):
@@ -99,7 +99,7 @@ class SaveWeightsForSamplerRequest(WireRequest):
     sampling_session_seq_id: int | None = Field(None, ge=0)
     kind: str | None = None
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_S)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata = None
 
 
 class LoadWeightsRequest(WireRequest):
@@ -109,7 +109,7 @@ class LoadWeightsRequest(WireRequest):
     session_id: str | None = None
     model_seq_id: int | None = Field(None, ge=0)
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata = None
     # legacy in-place load
     model_id: str | None = None
     seq_id: int | None = Field(None, ge=1)

@@ -8,14 +8,14 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from sqlmodel import select
 
 from gateway.context import ServicesDep
-from gateway.db.tables import SessionRow, TrainingRunRow, utcnow
+from gateway.db.tables import SessionRow, utcnow
 from gateway.deps import ConfigDep, DbDep, EngineDep, PrincipalDep, owned_session
 from gateway.errors import NotFoundError
 from gateway.middleware import deprecation_for, parse_version, sdk_version
 from gateway.quotas import QuotasDep
+from gateway.runs.expiry import finish_sessions
 from gateway.tinker_api.schemas import (
     ClientConfigRequest,
     ClientConfigResponse,
@@ -109,20 +109,22 @@ async def session_heartbeat(req: SessionHeartbeatRequest, who: PrincipalDep, db:
 
 @router.post("/sessions/{session_id}/finish", **returns(FinishSessionResponse))
 async def finish_session(
-    session_id: str, req: FinishSessionRequest, who: PrincipalDep, db: DbDep, quotas: QuotasDep
+    session_id: str,
+    req: FinishSessionRequest,
+    who: PrincipalDep,
+    db: DbDep,
+    quotas: QuotasDep,
+    engine: EngineDep,
 ) -> dict:
-    """Finish a session; its training clients stop counting against the quota."""
+    """Finish a session: its training clients stop counting against the quota and their adapters
+    are released (saved checkpoints stay)."""
     row = db.get(SessionRow, session_id)
     if row is None or row.user_id != who.user_id:
         raise NotFoundError(f"session_id: session {session_id!r} not found")
     if row.finished_at is None:
-        row.finished_at = utcnow()
-        row.finish_reason = req.reason.type if req.reason else "success"
-        db.add(row)
-        db.commit()
-        # A finished session's training clients no longer count against max_training_clients.
-        runs = db.exec(select(TrainingRunRow.id).where(TrainingRunRow.session_id == session_id))
-        await quotas.release_training_clients(who.user_id, who.org_id, list(runs))
+        await finish_sessions(
+            db, engine, quotas, [row], req.reason.type if req.reason else "success"
+        )
     return {"status": "finished", "session_id": session_id}
 
 

@@ -11,8 +11,16 @@ save goes through:
 3. `record`: the checkpoint row, replacing (row and files) one saved under the same path, and
    the sampling session an ephemeral save backs.
 
-An ephemeral save (Tinker's ``save_weights_for_sampler`` without a name) is under no quota and
-not billed: it only backs one sampling session and expires after a day.
+An ephemeral save (Tinker's ``save_weights_for_sampler`` without a name) is under no checkpoint
+quota and not billed: it only backs one sampling session and expires after a day. Its bound is
+its own: each user keeps at most ``gateway.max_ephemeral_saves`` of them; recording a newer one
+deletes the oldest (files, row and the sampling session it backs, which then answers 404), so an
+RL loop that saves for its sampler every step keeps working while its disk use stays
+``max_ephemeral_saves`` adapters.
+
+A copy (Tinker's ``copy_weights``) is a save whose write is a hard-linked copy of another
+checkpoint (`reserve` with the source's size as the estimate): reserved, metered and recorded the
+same way.
 """
 
 from __future__ import annotations
@@ -57,10 +65,15 @@ class Reservation:
     directory: Path
     replaces: bool
     expires_at: datetime | None
+    #: the user's ephemeral saves kept when this one is recorded (`gateway.max_ephemeral_saves`)
+    keep_ephemeral: int = 0
 
 
-async def reserve(ctx: RequestContext, run: TrainingRunRow, spec: SaveSpec) -> Reservation:
-    """Step 1 (see the module docstring)."""
+async def reserve(
+    ctx: RequestContext, run: TrainingRunRow, spec: SaveSpec, estimate: int | None = None
+) -> Reservation:
+    """Step 1 (see the module docstring). ``estimate``: the save's expected size in bytes
+    (default: the size of the run's last checkpoint)."""
     parsed = ParsedPath(run.id, spec.kind, spec.name)
     existing = ctx.db.exec(
         select(CheckpointRow).where(CheckpointRow.tinker_path == parsed.tinker_path)
@@ -71,18 +84,21 @@ async def reserve(ctx: RequestContext, run: TrainingRunRow, spec: SaveSpec) -> R
             "pass overwrite=True to replace it"
         )
     if not spec.ephemeral:
-        last = ctx.db.exec(
-            select(CheckpointRow.size_bytes)
-            .where(CheckpointRow.run_id == run.id)
-            .order_by(col(CheckpointRow.created_at).desc())
-        ).first()
-        await ctx.quotas.reserve_checkpoint(ctx.who, parsed.tinker_path, int(last or 0), ctx.db)
+        if estimate is None:
+            last = ctx.db.exec(
+                select(CheckpointRow.size_bytes)
+                .where(CheckpointRow.run_id == run.id)
+                .order_by(col(CheckpointRow.created_at).desc())
+            ).first()
+            estimate = int(last or 0)
+        await ctx.quotas.reserve_checkpoint(ctx.who, parsed.tinker_path, estimate, ctx.db)
     directory = new_storage_dir(ctx.settings.data_dir, ctx.who.user_id, parsed)
     directory.parent.mkdir(parents=True, exist_ok=True)
     expires = None
     if spec.ttl_seconds is not None:
         expires = utcnow() + timedelta(seconds=spec.ttl_seconds)
-    return Reservation(parsed, directory, existing is not None, expires)
+    keep = ctx.config.gateway.max_ephemeral_saves
+    return Reservation(parsed, directory, existing is not None, expires, keep)
 
 
 async def write(
@@ -130,8 +146,9 @@ def record(
     path = res.parsed.tinker_path
     with Session(bind) as s:
         old = s.exec(select(CheckpointRow).where(CheckpointRow.tinker_path == path)).first()
+        gone = []
         if old is not None:
-            shutil.rmtree(old.storage_dir, ignore_errors=True)
+            gone.append(old.storage_dir)
             s.delete(old)
             s.flush()
         s.add(
@@ -149,7 +166,7 @@ def record(
             )
         )
         if spec.sampling_session_id is not None:
-            s.add(
+            s.merge(  # an ephemeral save for the same sampling session replaces its weights
                 SamplingSessionRow(
                     id=spec.sampling_session_id,
                     session_id=run.session_id,
@@ -159,4 +176,26 @@ def record(
                     adapter_dir=str(res.directory),
                 )
             )
+        if spec.ephemeral:
+            s.flush()
+            gone += _prune_ephemeral(s, user_id, res.keep_ephemeral)
         s.commit()
+    for directory in gone:  # after the commit: a failed commit leaves every save intact
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _prune_ephemeral(s: Session, user_id: int, keep: int) -> list[str]:
+    """Delete the user's ephemeral saves beyond the ``keep`` newest (rows and the sampling
+    sessions they back); their storage directories, to delete once committed."""
+    rows = s.exec(
+        select(CheckpointRow)
+        .where(CheckpointRow.user_id == user_id, CheckpointRow.ephemeral == True)  # noqa: E712
+        .order_by(col(CheckpointRow.created_at).desc(), col(CheckpointRow.id).desc())
+        .offset(keep)
+    ).all()
+    for row in rows:
+        backed = select(SamplingSessionRow).where(SamplingSessionRow.model_path == row.tinker_path)
+        for sampler in s.exec(backed).all():
+            s.delete(sampler)
+        s.delete(row)
+    return [row.storage_dir for row in rows]

@@ -1,15 +1,15 @@
 """Training runs: opening one under the caller's quotas, and the adapter spec <-> run row.
 
-Owns `spec_of`, `new_run_row`, `check_rank` (the one rank-limit message of the gateway),
-`ensure_run` and `open_run` / `close_unused_run`. A run is one adapter: a Tinker training client,
-or one named adapter of a native model.
+Owns `spec_of`, `new_run_row`, `check_rank` (the one rank-limit message of the gateway) and
+`open_run` / `close_unused_run`. A run is one adapter: a Tinker training client, or one named
+adapter of a native model. Every request that makes the Trainer create an adapter (Tinker's
+create_model and create-via-load, the native add_adapter_to_model and a load into a new adapter
+name) opens its run here first, so the rank and training-client quotas hold on every path.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from sqlmodel import Session
 
 from engine.protocol import LoraSpec
 from gateway.context import RequestContext
@@ -70,17 +70,6 @@ def check_rank(field: str, rank: int, max_rank: int, base_model: str) -> None:
         raise InvalidRequestError(
             f"{field} {rank} exceeds max LoRA rank {max_rank} for model {base_model}"
         )
-
-
-def ensure_run(db: Session, run: TrainingRunRow) -> TrainingRunRow:
-    """The stored row of ``run``, written first if missing (a checkpoint loaded into an adapter
-    that has no run yet). Takes no training-client slot: nothing is being trained yet."""
-    existing = db.get(TrainingRunRow, run.id)
-    if existing is not None:
-        return existing
-    db.add(run)
-    db.commit()
-    return run
 
 
 async def open_run(ctx: RequestContext, run: TrainingRunRow) -> bool:

@@ -5,8 +5,9 @@ A native model is the engine's `MultiLoraTransformersModel`, hosted by the Train
 holds its adapters (engine/native/host.py). The engine checks the call's kwargs against the
 method's own signature, so a remote call behaves exactly as the in-process call, including its
 errors (400 naming the argument or rule). What the gateway adds is what needs the DB and
-quotas: each adapter is a training run of the caller's (created on add_adapter_to_model, under
-the Tinker create_model quotas), and checkpoints are names and ``twinkle://`` paths instead of
+quotas: each adapter is a training run of the caller's (opened under the Tinker create_model
+quotas by every call that creates one: add_adapter_to_model, and load / resume_from_checkpoint
+into a new adapter name), and checkpoints are names and ``twinkle://`` paths instead of
 server directories (``output_dir`` is refused), recorded as the caller's checkpoints of the
 adapter's run, so the Tinker RestClient and the native management calls list and delete them
 alike.
@@ -185,12 +186,19 @@ async def _add_adapter(call: Call, kw: dict) -> None:
         runs.check_rank("config.r: rank", spec.rank, nm.max_lora_rank, nm.base_model)
     else:
         raise InvalidRequestError("config: must be a LoRA config or a checkpoint path")
-    # the same quotas as Tinker's create_model; re-added after remove_adapter, the run (and its
-    # checkpoints) continue
+    await _creating(call, spec, "add_adapter_to_model", kw)
+
+
+async def _creating(call: Call, spec: LoraSpec, method: str, kw: dict) -> Any:
+    """``method`` creating the call's adapter with ``spec``, under the quotas of Tinker's
+    create_model (`runs.open_run`: the rank cap and a training-client slot, 403 at either). Every
+    call that can create an adapter (add_adapter_to_model, and load / resume_from_checkpoint into
+    a new adapter name) comes here. Re-added after remove_adapter, the run (and its checkpoints)
+    continue."""
     row = call.run_row(spec)
     created = await runs.open_run(call.ctx, row)
     try:
-        await call.invoke("add_adapter_to_model", kw)
+        return await call.invoke(method, kw)
     except BaseException:
         if created:
             await runs.close_unused_run(call.ctx, row)
@@ -236,9 +244,16 @@ def _loader(method: str) -> Callable[[Call, dict], Awaitable[Any]]:
     async def load(call: Call, kw: dict) -> Any:
         _no_server_paths(kw)
         ckpt, src = _checkpoint(call, kw.get("name"), "name")
-        runs.ensure_run(call.ctx.db, call.run_row(runs.spec_of(src)))
         kw["name"] = ckpt.storage_dir
-        result = await call.invoke(method, kw)
+        if await call.has_adapter():  # in place: the engine refuses a checkpoint of another shape
+            result = await call.invoke(method, kw)
+        else:  # into a new adapter name: the load creates it, with the checkpoint's shape
+            spec = runs.spec_of(src)
+            nm = call.nm
+            runs.check_rank(
+                "name: the checkpoint's rank", spec.rank, nm.max_lora_rank, nm.base_model
+            )
+            result = await _creating(call, spec, method, kw)
         path = twinkle_path(ckpt.tinker_path)
         return {**result, "checkpoint": path} if isinstance(result, dict) else path
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.deps import SEED_MAX, SEED_MIN
+from gateway.deps import SEED_MAX, SEED_MIN, Tags, UserMetadata
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -21,8 +21,8 @@ class _Req(BaseModel):
 
 
 class CreateSessionRequest(_Req):
-    metadata: dict[str, Any] | None = None
-    tags: list[str] = Field(default_factory=list)
+    metadata: UserMetadata = None
+    tags: Tags = Field(default_factory=list)
     client_version: str | None = Field(default=None, max_length=32)
 
 
