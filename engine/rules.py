@@ -168,11 +168,12 @@ CUSTOM_LOSS_FN = "custom"
 _POLICY = frozenset({"target_tokens", "logprobs", "advantages"})
 #: the ``loss_fn_inputs`` each built-in loss reads (engine/backends/losses.py ``LOSSES``: its
 #: inputs and optional inputs, plus the targets every token loss reads; ``importance_sampling``
-#: also reads ``ref_logps`` under upstream's DPO convention, engine/backends/tinker_dpo.py).
+#: also reads what ``dpo`` does, ``ref_logps`` for its ``ref_logprobs``, under upstream's DPO
+#: convention, engine/backends/tinker_dpo.py).
 #: Anything else in a request is dropped unread: decoding it would only cost memory.
 LOSS_FN_INPUTS: dict[str, frozenset[str]] = {
     "cross_entropy": frozenset({"target_tokens", "weights"}),
-    "importance_sampling": _POLICY | {"ref_logps"},
+    "importance_sampling": _POLICY | {"ref_logps", "weights"},
     "ppo": _POLICY,
     "cispo": _POLICY,
     "dro": _POLICY,

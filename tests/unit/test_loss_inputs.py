@@ -16,8 +16,12 @@ def test_every_loss_keeps_the_inputs_its_spec_reads():
         assert reads <= loss_fn_input_names(name), name
 
 
-def test_upstream_dpo_through_importance_sampling_keeps_its_reference_logprobs():
+def test_upstream_dpo_through_importance_sampling_keeps_what_dpo_reads():
     kept = loss_fn_input_names("importance_sampling")
+    dpo = LOSSES["dpo"]
+    assert ({"target_tokens", *dpo.inputs, *dpo.optional} - {"ref_logprobs"}) | {
+        "ref_logps"
+    } <= kept
     lfi = {"target_tokens": [1], "ref_logps": [0.0], "logprobs": [0.0], "advantages": [1.0]}
     datum = DatumInput([1], {k: v for k, v in lfi.items() if k in kept})
     inp = ForwardBackwardInput([datum, datum], "importance_sampling", {"dpo_beta": 0.1})
