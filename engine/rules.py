@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.errors import UserInputError
@@ -164,6 +164,36 @@ REFUSED_LOSS_FNS = {
 
 #: the loss name of a server-side custom loss (Tinker's ``loss_fn="custom"``)
 CUSTOM_LOSS_FN = "custom"
+
+_POLICY = frozenset({"target_tokens", "logprobs", "advantages"})
+#: the ``loss_fn_inputs`` each built-in loss reads (engine/backends/losses.py ``LOSSES``: its
+#: inputs and optional inputs, plus the targets every token loss reads; ``importance_sampling``
+#: also reads what ``dpo`` does, ``ref_logps`` for its ``ref_logprobs``, under upstream's DPO
+#: convention, engine/backends/tinker_dpo.py).
+#: Anything else in a request is dropped unread: decoding it would only cost memory.
+LOSS_FN_INPUTS: dict[str, frozenset[str]] = {
+    "cross_entropy": frozenset({"target_tokens", "weights"}),
+    "importance_sampling": _POLICY | {"ref_logps", "weights"},
+    "ppo": _POLICY,
+    "cispo": _POLICY,
+    "dro": _POLICY,
+    "gspo": _POLICY | {"sequence_ratio_mask"},
+    "dpo": frozenset({"target_tokens", "weights", "ref_logprobs"}),
+    "infonce": frozenset({"anchor"}),
+}
+
+
+def loss_fn_input_names(
+    loss_fn: str, custom_inputs: Sequence[Sequence[Any]] | None = None
+) -> frozenset[str]:
+    """The ``loss_fn_inputs`` names ``loss_fn`` reads. A custom loss reads ``target_tokens`` and
+    the inputs its graph declares after ``logprobs`` (``custom_inputs``: its ``(name, rank)``
+    pairs); an unknown loss reads nothing (the engine refuses it by name)."""
+    if loss_fn == CUSTOM_LOSS_FN:
+        return frozenset({"target_tokens", *(str(n) for n, _ in list(custom_inputs or ())[1:])})
+    return LOSS_FN_INPUTS.get(loss_fn, frozenset())
+
+
 #: a custom loss graph's bounds: nodes, and nesting of a node's arguments (the gateway refuses
 #: larger uploads before they travel; engine/backends/custom_loss_graph.py checks everything else)
 CUSTOM_LOSS_MAX_NODES = 2048

@@ -79,8 +79,44 @@ class GatewayConfig(_Strict):
     max_datums_per_request: int = Field(
         default=4096,
         ge=1,
-        description="Most datums in one forward / forward_backward request; more fail that "
-        "request (in seq order) with a message naming this limit, before any compute",
+        description="Most datums in one forward / forward_backward request; more are a 413 "
+        "naming this limit (the seq_id still passes, in order), before any compute",
+    )
+    max_decoded_request_mb: int = Field(
+        default=256,
+        ge=1,
+        description="Most memory one forward / forward_backward request may decode to (MiB): "
+        "tokens, the loss_fn_inputs its loss reads (sparse tensors at their dense shape) and "
+        "images, summed over the request and checked before anything is expanded; also bounds "
+        "the Python objects of a JSON body. More is a 413 naming the largest field (the seq_id "
+        "still passes, in order). The SDK's chunks are ~5 MB",
+    )
+    max_held_mb_per_user: int = Field(
+        default=1024,
+        ge=1,
+        description="Most decoded input (MiB) one user's unfinished forward / forward_backward "
+        "requests may hold in a gateway replica (e.g. waiting behind a seq_id gap, up to the "
+        "Trainer's 120 s gap timeout); more get 429 + retry-after, except the request its model "
+        "runs next, which is always admitted",
+    )
+    max_pending_sequenced_per_user: int = Field(
+        default=1024,
+        ge=1,
+        description="Most unfinished sequenced requests (forward_backward, optim_step, saves, "
+        "...) one user may have in a gateway replica; more get 429 + retry-after, except the "
+        "request its model runs next",
+    )
+    max_sequences_per_sample_request: int = Field(
+        default=256,
+        ge=1,
+        description="Most sequences one sampling request may ask for (prompts x samples: "
+        "native inputs x num_samples, OpenAI prompts x n, Tinker num_samples); more are a 413",
+    )
+    max_sample_tokens_per_request: int = Field(
+        default=2**21,
+        ge=1,
+        description="Most tokens one sampling request may cost: its prompts plus sequences x "
+        "max_tokens (what it holds a concurrency slot for); more are a 413",
     )
     max_ephemeral_saves: int = Field(
         default=8,

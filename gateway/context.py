@@ -26,6 +26,7 @@ from gateway.accounts.usage import UsageLedger
 from gateway.config import ServerConfig
 from gateway.deps import DbDep
 from gateway.engine_client import EngineClient
+from gateway.futures.held import HeldLedger
 from gateway.futures.kv import KV
 from gateway.futures.store import FutureStore
 from gateway.lifecycle import Drain
@@ -55,6 +56,8 @@ class AppServices:
     #: gives a deleted checkpoint's count and bytes back to its owner's quotas
     checkpoint_deleted: Callable[[int, str], None]
     drain: Drain
+    #: what each user's unfinished sequenced requests hold in this replica (count, bytes)
+    held: HeldLedger
     #: None unless gateway.metrics_enabled
     metrics: GatewayMetrics | None = None
     #: session id → the task building its trace file

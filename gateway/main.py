@@ -17,13 +17,15 @@ from fastapi import FastAPI
 
 from gateway import admin_api, openai_api, tinker_api, twinkle_api
 from gateway.accounts.jwt import build_jwt
+from gateway.accounts.keys import authenticate_engine
 from gateway.accounts.usage import UsageLedger
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.config import ServerConfig, effective_redis_url
 from gateway.context import AppServices, running_services
 from gateway.db import make_engine
 from gateway.engine_client import EngineClient
-from gateway.errors import register_exception_handlers
+from gateway.errors import AuthenticationError, register_exception_handlers
+from gateway.futures.held import HeldLedger
 from gateway.futures.kv import make_kv
 from gateway.futures.store import FutureStore
 from gateway.lifecycle import Drain, DrainMiddleware
@@ -98,6 +100,10 @@ def build_services(
         jwt=build_jwt(secrets.jwt, config.gateway.jwt_enabled, config.gateway.jwt_ttl_seconds),
         checkpoint_deleted=_checkpoint_releaser(db_engine, quotas, asyncio.get_running_loop()),
         drain=drain,
+        held=HeldLedger(
+            config.gateway.max_held_mb_per_user * 2**20,
+            config.gateway.max_pending_sequenced_per_user,
+        ),
         metrics=metrics,
     )
 
@@ -155,6 +161,7 @@ def _add_middleware(
     app.add_middleware(
         IdempotencyKeyMiddleware,
         kv_getter=lambda: s.kv if (s := running_services(app)) is not None else None,
+        authenticates=lambda key: _authenticates(app, key),
     )
     app.add_middleware(
         RequestHeadersMiddleware,
@@ -180,6 +187,18 @@ def _add_middleware(
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return metrics
+
+
+def _authenticates(app: FastAPI, raw_key: str | None) -> bool:
+    """Whether ``raw_key`` (an API key or JWT) is valid now (blocking: a DB read)."""
+    s = running_services(app)
+    if s is None:
+        return False
+    try:
+        authenticate_engine(s.db_engine, raw_key, s.jwt.verify if s.jwt is not None else None)
+    except AuthenticationError:
+        return False
+    return True
 
 
 def _include_routers(app: FastAPI, config: ServerConfig) -> None:

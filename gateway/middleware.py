@@ -9,7 +9,8 @@
   with a set-if-absent in the shared KV (Redis ``SET NX``) before it runs. The SDK keeps one key
   across the HTTP-level retries of a call (and `copy_weights` fixes its key across every retry), so
   a retry after a lost response never runs twice. Polls (retrieve_future), heartbeats and
-  telemetry are not cached.
+  telemetry are not cached. The body is buffered to hash it: one over 1 MiB (or of unknown
+  length) only once the caller's key is valid; an unauthenticated one goes to the route as is.
 * Tinker SDK versions (``X-Stainless-Package-Version`` or the ``User-Agent``) below
   ``sdk_deprecated_below`` get ``x-deprecation-level: warning`` and a note, below
   ``sdk_unsupported_below`` ``error``; the SDK logs both.
@@ -23,8 +24,10 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+import anyio
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,6 +43,9 @@ IDEMPOTENCY_WAIT_S = 120.0
 _CLAIM_POLL_S = 0.05
 _NOT_CACHED = ("/retrieve_future", "/session_heartbeat", "/telemetry", "/retrieve_futures")
 _MAX_CACHED_BODY = 1 << 20
+#: a body up to this size is buffered before its caller is authenticated (the route does that);
+#: a larger one, or one of unknown length, only once the caller's key is valid
+_BUFFER_BEFORE_AUTH = 1 << 20
 _UA_RE = re.compile(r"Tinker/Python\s+(\d+(?:\.\d+)*)", re.I)
 
 
@@ -122,14 +128,22 @@ class RequestHeadersMiddleware:
 
 
 async def _read_body(receive: Receive) -> bytes:
-    """The whole request body (every ``http.request`` message)."""
-    body = b""
+    """The whole request body (every ``http.request`` message), joined once: appending each
+    chunk to the bytes so far copied 60 MiB ~1,000 times (25 s of CPU). Its size is capped by
+    `gateway.body_limit.BodyLimitMiddleware`, outside this one."""
+    chunks: list[bytes] = []
     more = True
     while more:
         message = await receive()
-        body += message.get("body", b"")
+        chunks.append(message.get("body", b""))
         more = message.get("more_body", False)
-    return body
+    return b"".join(chunks)
+
+
+def _small(headers: Headers) -> bool:
+    """A body that declares at most `_BUFFER_BEFORE_AUTH` bytes."""
+    length = headers.get("content-length", "")
+    return length.isdigit() and int(length) <= _BUFFER_BEFORE_AUTH
 
 
 class _Recorded:
@@ -141,6 +155,7 @@ class _Recorded:
         self.status = 0
         self.headers: list[tuple[str, str]] = []
         self.chunks: list[bytes] = []
+        self.size = 0
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -148,15 +163,17 @@ class _Recorded:
             self.headers = [
                 (k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])
             ]
-        elif message["type"] == "http.response.body":
-            self.chunks.append(message.get("body", b""))
+        elif message["type"] == "http.response.body" and self.size <= _MAX_CACHED_BODY:
+            chunk = message.get("body", b"")
+            self.size += len(chunk)
+            self.chunks.append(chunk)  # past the cap it is not cached: stop keeping it
         await self._send(message)
 
     def record(self, body_hash: str) -> dict | None:
         """What the KV keeps for a 2xx response up to `_MAX_CACHED_BODY` bytes; None otherwise."""
-        out = b"".join(self.chunks)
-        if not (200 <= self.status < 300 and len(out) <= _MAX_CACHED_BODY):
+        if not (200 <= self.status < 300 and self.size <= _MAX_CACHED_BODY):
             return None
+        out = b"".join(self.chunks)
         return {
             "status": self.status,
             "headers": [h for h in self.headers if h[0].lower() != "content-length"],
@@ -169,10 +186,18 @@ class IdempotencyKeyMiddleware:
     """Replays a request that already succeeded under the same ``X-Idempotency-Key`` (see the
     module docstring). Runs inside `RequestHeadersMiddleware` (it needs the request id)."""
 
-    def __init__(self, app: ASGIApp, *, kv_getter: Any) -> None:
-        """``kv_getter()`` returns the KV (built in the app's lifespan, after this is made)."""
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        kv_getter: Any,
+        authenticates: Callable[[str | None], bool] = lambda key: True,
+    ) -> None:
+        """``kv_getter()`` returns the KV (built in the app's lifespan, after this is made);
+        ``authenticates(key)`` (blocking: run in a thread) whether a key or JWT is valid."""
         self.app = app
         self._kv_getter = kv_getter
+        self._authenticates = authenticates
         self._inflight: dict[str, asyncio.Event] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -189,6 +214,12 @@ class IdempotencyKeyMiddleware:
             or scope["method"] not in ("POST", "PUT", "DELETE", "PATCH")
             or path.endswith(_NOT_CACHED)
         ):
+            await self.app(scope, receive, send)
+            return
+        if not _small(headers) and not await anyio.to_thread.run_sync(
+            self._authenticates, extract_api_key(headers)
+        ):
+            # not buffered for a caller who cannot use the route: it answers 401 itself
             await self.app(scope, receive, send)
             return
         await self._idempotent(scope, receive, send, headers, key, kv)

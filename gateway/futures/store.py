@@ -343,6 +343,9 @@ class FutureStore:
             log.exception("future %s (%s) failed", rec.request_id, rec.kind)
             rec.error = f"internal error while running {rec.kind}: {type(exc).__name__}"
             rec.category = "server"
+        # finished: nothing runs the job again, and a training job carries its request body
+        # (up to the body cap, base64), which the record would keep for the result TTL (1 h)
+        rec.job = None
         self._retention.finish(rec)
         await self._mirror_finished(rec)
         if self.on_finish is not None and rec.extra.get("trace"):

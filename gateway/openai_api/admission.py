@@ -20,8 +20,9 @@ class Admission:
     def __init__(self, adm: metering.SampleAdmission) -> None:
         self._adm = adm
 
-    async def meter(self, base_model: str, prompt_tokens: int, budget: int) -> None:
-        await self._adm.meter(base_model, prompt_tokens, budget)
+    async def meter(self, base_model: str, prompt_tokens: int, budget: int, sequences: int) -> None:
+        """``sequences``: prompts x ``n``."""
+        await self._adm.meter(base_model, prompt_tokens, budget, sequences, "n")
 
     async def finish(self, choices: list[text_stream.Choice] | None) -> None:
         """``choices`` None: the request failed or the client left."""

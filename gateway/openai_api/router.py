@@ -42,6 +42,7 @@ from gateway.openai_api.chat_images import (
 from gateway.openai_api.models import Target, checkpoint_models, model_card, resolve_model
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from gateway.training import text_stream
+from gateway.training.metering import check_sample_size
 from gateway.training.sampling import sampling_params
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -211,7 +212,7 @@ async def chat_completions(
             explicit, DEFAULT_CHAT_MAX_TOKENS, n_prompt, config, target.base_model
         )
         params = _params(req, max_tokens, stops)
-        await adm.meter(target.base_model, n_prompt, max_tokens * req.n)
+        await adm.meter(target.base_model, n_prompt, max_tokens * req.n, req.n)
         rid, created, logprobs = responses.new_id("chatcmpl"), responses.now(), bool(req.logprobs)
         if req.stream:
             events = await text_stream.open_stream(
@@ -264,11 +265,12 @@ async def completions(
     target = resolve_model(db, who, engine, req.model)
     rid, created = responses.new_id("cmpl"), responses.now()
     logprobs = req.logprobs is not None
+    check_sample_size(config.gateway, "n", len(prompts) * req.n)  # before any prompt is encoded
     async with admitted(ctx, target.session_id) as adm:
         inputs, prompt_tokens, budget = await _completion_inputs(
             req, prompts, engine, target, config, stops
         )
-        await adm.meter(target.base_model, prompt_tokens, budget)
+        await adm.meter(target.base_model, prompt_tokens, budget, len(prompts) * req.n)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             events = await text_stream.open_stream(

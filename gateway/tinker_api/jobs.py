@@ -15,9 +15,14 @@ from dataclasses import asdict, dataclass, replace
 
 from engine.errors import UserInputError
 from engine.protocol import AdamParams, CustomLossGraph, ForwardBackwardInput, LoraSpec
+from engine.rules import loss_fn_input_names
 from gateway.engine_client import EngineClient
 from gateway.futures.store import ReplayJob, Result, Run
-from gateway.tinker_api.proto_codec import decode_forward_backward, encode_forward_backward_output
+from gateway.tinker_api.proto_codec import (
+    decode_forward_backward,
+    encode_forward_backward_output,
+    parse_forward_backward,
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,15 @@ def _custom_graph(params: dict) -> CustomLossGraph:
     )
 
 
+def _redecoded(params: dict) -> ForwardBackwardInput:
+    """A taken-over job's input, decoded again from its body as the route decoded it: only the
+    loss_fn_inputs its loss reads (the body passed the size budget when it was accepted)."""
+    msg = parse_forward_backward(base64.b64decode(params["body"]))
+    graph = params.get("custom_loss")
+    keep = loss_fn_input_names(msg.loss_fn or "cross_entropy", graph["inputs"] if graph else None)
+    return decode_forward_backward(msg, keep)[2]
+
+
 def optim_step_job(base: str, model_id: str, seq_id: int, params: AdamParams) -> ReplayJob:
     return ReplayJob(
         "optim_step",
@@ -87,7 +101,7 @@ async def _run(
     if job.name == "forward_backward":
         # the replica that accepted the request runs the input it already decoded; only a
         # replica taking the job over parses the body again
-        inp = decoded or decode_forward_backward(base64.b64decode(p["body"]))[2]
+        inp = decoded or _redecoded(p)
         if p.get("custom_loss") is not None:
             inp = replace(inp, custom_loss=_custom_graph(p["custom_loss"]))
         out = await trainer.forward_backward(model_id, seq_id=p["seq_id"], inp=inp)

@@ -11,11 +11,15 @@ forward_backward, optim_step, in-place load_weights, the saves and exports):
    with Redis, across replicas by SET NX). A retry gets the first future (same payload) or a 409
    (another payload); a retry that arrives while the first is between claim and submit waits for
    the first one's future id instead of racing it;
-3. touch the run (its last request time);
+3. touch the run (its last request time) and admit the request to its user's share of what
+   unfinished requests may hold in this replica (`gateway.futures.held`: a 429 over it), given
+   back when its future finishes;
 4. prepare: validation and quota charges, returning the engine coroutine. A user error
-   (`InvalidRequestError`, `QuotaExceededError`) becomes a future that fails once its seq_id's turn
-   has passed in the Trainer, so later requests of the model are not held up; any other error (a
-   429 rate limit: the SDK resends the same seq_id) releases the claim and propagates;
+   (`InvalidRequestError`, `QuotaExceededError`, `PayloadTooLargeError`) becomes a future that
+   fails once its seq_id's turn has passed in the Trainer, so later requests of the model are not
+   held up; a request over a size limit is also answered 413 at once (a retry of its seq_id gets
+   the failed future). Any other error (a 429 rate limit: the SDK resends the same seq_id)
+   releases the claim and propagates;
 5. submit under the claim.
 
 `submit_once` is steps 2, 4 and 5 for requests outside a model's order (create_model, load_weights
@@ -33,7 +37,7 @@ from gateway.context import RequestContext
 from gateway.db.tables import TrainingRunRow, utcnow
 from gateway.engine_client import EngineClient
 from gateway.errors import InvalidRequestError, PayloadTooLargeError, QuotaExceededError
-from gateway.futures.store import FutureRecord, ReplayJob, Run
+from gateway.futures.store import FutureRecord, ReplayJob, Result, Run
 from gateway.runs.request_log import trace_tag
 from gateway.tinker_api import jobs
 
@@ -106,18 +110,44 @@ async def submit_sequenced(
     fp: str | None,
     kind: str,
     prepare: Callable[[], Awaitable[Run]],
+    held_bytes: int = 0,
 ) -> FutureRecord:
-    """The future of request ``seq_id`` of model ``run`` (see the module docstring's steps)."""
+    """The future of request ``seq_id`` of model ``run`` (see the module docstring's steps).
+    ``held_bytes``: what the request's decoded input holds until its future finishes."""
+    too_large: list[PayloadTooLargeError] = []
 
     async def touch_and_prepare() -> Prepared:
         touch(t.db, run)
+        held = t.services.held
+        hold = held.admit(t.who.user_id, run.id, seq_id, held_bytes)
         try:
             job = await prepare()
         except (InvalidRequestError, QuotaExceededError, PayloadTooLargeError) as exc:
+            if isinstance(exc, PayloadTooLargeError):
+                too_large.append(exc)
             job = in_order_rejection(t.engine, run, seq_id, str(exc))
-        return job, {"base_model": run.base_model, "trace": trace_tag(run.session_id, run.id)}
+        except BaseException:
+            held.finish(hold)
+            raise
+        extra = {"base_model": run.base_model, "trace": trace_tag(run.session_id, run.id)}
+        return _releasing(job, lambda: held.finish(hold)), extra
 
-    return await submit_once(t, (run.id, seq_id), fp, kind, touch_and_prepare)
+    rec = await submit_once(t, (run.id, seq_id), fp, kind, touch_and_prepare)
+    if too_large:  # its seq_id passes in order all the same: later requests do not wait for it
+        raise too_large[0]
+    return rec
+
+
+def _releasing(run: Run, release: Callable[[], None]) -> Run:
+    """``run``, calling ``release`` once it ends however it ends (keeps a replayable run's job)."""
+
+    async def run_() -> Result:
+        try:
+            return await run()
+        finally:
+            release()
+
+    return jobs.ReplayableRun(run.job, run_) if isinstance(run, jobs.ReplayableRun) else run_
 
 
 def future_json(rec: FutureRecord, model_id: str | None = None) -> dict[str, Any]:

@@ -9,23 +9,19 @@ request would wait for it).
 
 from __future__ import annotations
 
-import json
-
-import zstandard
 from fastapi import APIRouter, Request
 
 from engine.protocol import AdamParams, LoraSpec
-from engine.rules import CUSTOM_LOSS_FN
 from gateway.context import ContextDep, RequestContext
 from gateway.db.tables import TrainingRunRow
 from gateway.deps import owned_run, owned_session
-from gateway.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
+from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.futures.store import fingerprint
 from gateway.images import check_images
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.runs.request_log import trace_tag
-from gateway.tinker_api import compat, custom_losses, jobs
-from gateway.tinker_api.proto_codec import decode_forward_backward, image_token_count
+from gateway.tinker_api import jobs, train_input
+from gateway.tinker_api.proto_codec import image_token_count
 from gateway.tinker_api.schemas import (
     CreateModelRequest,
     FutureResponse,
@@ -39,7 +35,6 @@ from gateway.tinker_api.sequenced import Prepared, Run, future_json, submit_once
 from gateway.training import metering, runs
 
 router = APIRouter(prefix="/api/v1")
-_MAX_BODY = 256 * 1024 * 1024  # 256 MiB decompressed: far above the SDK's 5 MB chunks
 
 
 def _lora_spec(req: CreateModelRequest, t: RequestContext) -> LoraSpec:
@@ -74,6 +69,7 @@ async def _add_run(t: RequestContext, run: TrainingRunRow) -> None:
     if t.db.get(TrainingRunRow, run.id) is not None:
         raise InvalidRequestError(f"model_seq_id: model {run.id} already exists in this session")
     await runs.open_run(t, run)
+    t.services.held.model_created(run.id)
 
 
 @router.post("/create_model", **returns(FutureResponse))
@@ -116,75 +112,21 @@ async def get_info(req: GetInfoRequest, t: ContextDep) -> dict:
     }
 
 
-async def _read_body(request: Request) -> bytes:
-    body = await request.body()
-    if request.headers.get("content-encoding", "").lower() == "zstd":
-        try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=_MAX_BODY)
-        except zstandard.ZstdError:
-            raise InvalidRequestError("body: invalid zstd data") from None
-    return body
-
-
-async def _forward_backward_body(request: Request) -> bytes:
-    """The protobuf ForwardBackwardRequest of a request (older SDKs' JSON is converted)."""
-    ctype = request.headers.get("content-type", "")
-    if "json" in ctype:  # the JSON wire format of older SDKs
-        try:
-            payload = json.loads(await _read_body(request))
-        except ValueError:
-            raise InvalidRequestError("body: invalid JSON") from None
-        return compat.json_forward_backward_to_proto(
-            payload, forward_only=request.url.path.endswith("/forward")
-        )
-    if "protobuf" in ctype:
-        return await _read_body(request)
-    raise InvalidRequestError(
-        "content-type: forward_backward takes an application/x-protobuf "
-        "ForwardBackwardRequest (or the JSON of older SDKs)"
-    )
-
-
-def _decode(body: bytes):
-    """(model_id, seq_id, input or None, error or None). A structurally broken datum still carries
-    model_id / seq_id, so its future fails in order (error) instead of a 400."""
-    try:
-        model_id, seq_id, inp = decode_forward_backward(body)
-        return model_id, seq_id, inp, None
-    except InvalidRequestError as exc:
-        from gateway.tinker_api.wire_pb import pb
-
-        msg = pb.ForwardBackwardRequest()
-        try:
-            msg.ParseFromString(body)
-        except Exception:
-            raise exc from None
-        if not msg.model_id or msg.seq_id < 1:
-            raise
-        return msg.model_id, int(msg.seq_id), None, str(exc)
-
-
 @router.post("/forward", **returns(FutureResponse))  # SDK 0.16.x: forward-only, JSON body
 @router.post("/forward_backward", **returns(FutureResponse))
 async def forward_backward(request: Request, t: ContextDep) -> dict:
     """Forward (and backward) over a batch in the model's seq_id order; protobuf in and out."""
-    body = await _forward_backward_body(request)
+    body = await train_input.read_body(request, t.config.gateway)
     fp = fingerprint(body)
-    model_id, seq_id, inp, error = _decode(body)
-    if seq_id < 1:
-        raise InvalidRequestError(f"seq_id: must be ≥ 1, got {seq_id}")
-    run = owned_run(t.db, t.who, model_id, live=True)
-    kind = "forward" if inp is not None and inp.forward_only else "forward_backward"
+    msg = train_input.parse(body)
+    run = owned_run(t.db, t.who, msg.model_id, live=True)
+    seq_id = int(msg.seq_id)
+    kind = "forward" if msg.forward_only else "forward_backward"
+    # sized on the compact message: a refusal fails this seq_id in order (a 413 for a size)
+    planned = train_input.plan(t, run, msg)
 
     async def prepare() -> Run:
-        if inp is None:  # undecodable data: fails in order (decode's message)
-            raise InvalidRequestError(error or "forward_backward_input: missing")
-        cap = t.config.gateway.max_datums_per_request
-        if len(inp.data) > cap:  # before any token is counted, charged or computed
-            raise PayloadTooLargeError(
-                f"forward_backward_input.data: {len(inp.data)} datums, over this server's limit "
-                f"of {cap} per request (gateway.max_datums_per_request); split the batch"
-            )
+        inp = await train_input.decode(planned)
         model_cfg = t.config.model(run.base_model)
         if model_cfg is not None:  # 413 over the image caps, in order like any bad input
             check_images(
@@ -199,14 +141,11 @@ async def forward_backward(request: Request, t: ContextDep) -> dict:
         # Over the rate: 429 + retry-after (the SDK resends this seq_id); a request that can
         # never fit is a QuotaExceededError, which fails this seq_id in order.
         await metering.charge_training(t, n_tokens)
-        graph = None
-        if inp.loss_fn == CUSTOM_LOSS_FN:  # the session's stored graph travels with the job
-            graph = custom_losses.attached_graph(t, run, inp.loss_fn_config)
-        job = jobs.forward_backward_job(run.base_model, model_id, seq_id, body, graph)
+        job = jobs.forward_backward_job(run.base_model, run.id, seq_id, body, planned.graph)
         return _metered(t, run, jobs.runner(t.engine, job, inp), n_tokens)
 
-    rec = await submit_sequenced(t, run, seq_id, fp, kind, prepare)
-    return future_json(rec, model_id)
+    rec = await submit_sequenced(t, run, seq_id, fp, kind, prepare, planned.nbytes)
+    return future_json(rec, run.id)
 
 
 def _metered(

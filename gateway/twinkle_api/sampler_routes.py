@@ -35,6 +35,7 @@ from gateway.deps import PrincipalDep
 from gateway.errors import InvalidRequestError, NotImplementedOnServerError
 from gateway.images import check_images
 from gateway.training import metering, text_stream
+from gateway.training.metering import check_sample_size
 from gateway.twinkle_api.native_deps import BaseModelDep, NativeSessionDep
 from gateway.twinkle_api.sampling import (
     IGNORE_INDEX,
@@ -131,6 +132,8 @@ async def _prepare(ctx: RequestContext, name: str, session_id: str, req: SampleR
     enc = template_for(ctx.config, ctx.engine, name, await _template(ctx, session_id, name))
     inputs = _inputs(req)
     sp, params, n, adapter_dir = _request_parts(req, ctx.db, ctx.who, name)
+    # before any prompt is rendered: a request of 256 inputs x 64 samples is refused unread
+    check_sample_size(ctx.config.gateway, "inputs x num_samples", len(inputs) * n)
     prompts = [await enc.prompt_tokens(item, f"inputs[{i}]") for i, item in enumerate(inputs)]
     # the engine's view: text tokens and the images at their places (VL models)
     engine_prompts = [
@@ -164,7 +167,13 @@ async def sample(
     # the sample token rate, the concurrent-sampling slot and the usage ledger, as for the
     # Tinker and OpenAI routes; usage goes to the session of the client's sampler
     async with metering.admitted(ctx, session.id) as adm:
-        await adm.meter(name, sum(map(len, prompts)), params.max_tokens * n * len(prompts))
+        await adm.meter(
+            name,
+            sum(map(len, prompts)),
+            params.max_tokens * n * len(prompts),
+            n * len(prompts),
+            "inputs x num_samples",
+        )
         sampler = ctx.engine.sampler(name, affinity=adapter_dir)
         outs = await asyncio.gather(
             *(

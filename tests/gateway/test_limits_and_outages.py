@@ -1,6 +1,7 @@
 """Request limits and a database outage at the gateway, on the real app: a
 body over ``gateway.max_request_body_mb`` is a 413 before it is read (with and without a length),
-more datums than ``gateway.max_datums_per_request`` fail that seq_id naming the limit, and a
+more datums than ``gateway.max_datums_per_request`` are a 413 naming the limit (the seq_id
+passes in order), and a
 Postgres that stops answering (a TCP proxy in front of it, closed) gives 503 + retry-after, not a
 500 or a hang, and service resumes when it is back."""
 
@@ -48,17 +49,20 @@ def test_body_over_the_cap_is_413_naming_it_with_or_without_a_length(gw) -> None
     assert r.status_code == 200, r.text  # a normal request still passes
 
 
-def test_too_many_datums_fail_in_order_naming_the_limit(gw) -> None:
+def test_too_many_datums_are_a_413_naming_the_limit_and_pass_in_order(gw) -> None:
     key = gw.key("datums")
     mid = model(gw.client, key)
     d = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3]),
         loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
     )
-    r = post_fwdbwd(gw.client, key, fwdbwd_body(mid, 1, [d, d, d]))
+    body = fwdbwd_body(mid, 1, [d, d, d])
+    r = post_fwdbwd(gw.client, key, body)
+    assert r.status_code == 413, r.text
+    assert "gateway.max_datums_per_request" in r.json()["error"]["message"]
+    r = post_fwdbwd(gw.client, key, body)  # a retry of the seq_id: its failed future
     assert r.status_code == 200, r.text
-    out = gw.wait(r.json(), key)
-    assert "gateway.max_datums_per_request" in str(out), out
+    assert "gateway.max_datums_per_request" in str(gw.wait(r.json(), key))
     r = fwdbwd(gw.client, key, mid, 2)  # the seq order moved on
     assert r.status_code == 200
     done = gw.wait(r.json(), key)

@@ -119,3 +119,47 @@ def test_tensors_whose_shape_lies_are_a_400(shape, sparse, message):
     with pytest.raises(InvalidRequestError, match=message) as err:
         decode_forward_backward(_with_weights(t))
     assert str(err.value).startswith("data[0].loss_fn_inputs.weights.shape")
+
+
+def test_sdk_sparse_tensors_decode_to_their_dense_values():
+    import torch
+
+    rng = np.random.default_rng(0)
+    dense = np.where(rng.random((7, 5)) < 0.3, rng.random((7, 5)), 0).astype(np.float32)
+    dense[2] = 0  # an empty row
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(7))),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_numpy(np.ones((7, 5), np.int64)),
+            "weights": types.TensorData.from_torch_sparse(torch.from_numpy(dense)),
+        },
+    )
+    _, _, inp = decode_forward_backward(_sdk_request([datum]))
+    np.testing.assert_array_equal(inp.data[0].loss_fn_inputs["weights"], dense)
+
+
+def test_sparse_rows_that_run_backwards_are_a_400():
+    from gateway.tinker_api.wire_pb import pb
+
+    t = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2, 3])
+    t.sparse_csr.crow_indices = np.array([0, 2, 1], np.int64).tobytes()
+    t.sparse_csr.col_indices = np.array([0], np.int64).tobytes()
+    t.sparse_csr.values = np.ones(1, np.float32).tobytes()
+    with pytest.raises(InvalidRequestError, match="inconsistent sparse CSR indices"):
+        decode_forward_backward(_with_weights(t))
+
+
+def test_only_the_kept_inputs_are_decoded_and_sized():
+    from gateway.errors import PayloadTooLargeError
+    from gateway.tinker_api.proto_codec import check_decoded_size, parse_forward_backward
+    from gateway.tinker_api.wire_pb import pb
+
+    junk = pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1, 2**24])
+    junk.sparse_csr.crow_indices = np.array([0, 0], np.int64).tobytes()
+    msg = parse_forward_backward(_with_weights(junk))
+    keep = frozenset({"target_tokens"})
+    assert check_decoded_size(msg, keep, 2**20) == 2 * 8 + 2 * 8  # tokens + targets
+    _, _, inp = decode_forward_backward(msg, keep)
+    assert set(inp.data[0].loss_fn_inputs) == {"target_tokens"}
+    with pytest.raises(PayloadTooLargeError, match=r"weights.*128\.0 MiB.*max_decoded_request_mb"):
+        check_decoded_size(msg, keep | {"weights"}, 2**20)
