@@ -1,8 +1,8 @@
 """The pool's ``hosted`` profile: `twinkle serve` as a hosted service runs it.
 
 Two gateway replicas sharing a real Redis, a fresh database on a real Postgres, JWT mode for the
-Tinker SDK, per-user default quotas, and the tiny chat and vision-language models (small image
-caps). The cookbook's ``modelscope/`` scripts (tests/e2e/test_cookbook_hosted.py), the image tests
+Tinker SDK, per-user default quotas, and the tiny chat (fused execution) and vision-language
+models (small image caps). The cookbook's ``modelscope/`` scripts (tests/e2e/test_cookbook_hosted.py), the image tests
 (tests/e2e/test_vision_e2e.py) and the API fuzz (tests/e2e/test_fuzz_api.py) share one start of it.
 """
 
@@ -44,7 +44,9 @@ def start_hosted_server(
         # twinkle/tiny-vl: twinkle/modelscope/multi_modal.py's vision-language model; its small
         # image caps are what tests/e2e/test_vision_e2e.py exceeds (the shipped images: < 600 B)
         "models": [
-            _model(BASE),
+            # fused: one tenant's failing loss must not reach another's step in a fused pass
+            # (tests/e2e/test_hostile_tenants.py)
+            _model(BASE, execution="fused"),
             _model("twinkle/tiny-vl", images={"max_per_request": 8, "max_bytes": 4096}),
         ],
         "gateway": {
