@@ -43,7 +43,8 @@ INTERNAL_MESSAGE = "internal server error"
 #: what a client is told while the database is unreachable; retry-after is a guess at a restart
 DB_UNAVAILABLE_MESSAGE = "the database is unavailable (restarting or unreachable); retry shortly"
 DB_RETRY_AFTER_S = 5
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+#: used with ``fullmatch`` (``$`` would let a trailing newline through)
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 #: an absolute POSIX path of two or more parts, not the path part of a URL (``tinker://run/x``,
 #: ``https://host/a/b``) except ``file://``; a part may hold a ``:`` but not end with one, so
 #: "checkpoint /data/x: bad" stops before the colon
@@ -206,7 +207,7 @@ def request_id_for(request: Request) -> str:
     if isinstance(rid, str) and rid:
         return rid
     header = request.headers.get("x-request-id", "")
-    rid = header if _REQUEST_ID_RE.match(header) else uuid.uuid4().hex
+    rid = header if _REQUEST_ID_RE.fullmatch(header) else uuid.uuid4().hex
     request.state.request_id = rid
     return rid
 
