@@ -1,7 +1,7 @@
 """Names are validated whole and listings name no other tenant, through the real gateway app (real
 SQLite): a checkpoint name ending in a newline fails its save naming the field (a regex's ``$``
-matches before a final newline), and another user's published checkpoint or run shows its weights but
-not its owner, on the OpenAI and the Tinker routes."""
+matches before a final newline), and another user's published checkpoint or run shows its
+weights but not its owner, on the OpenAI and the Tinker routes."""
 
 from __future__ import annotations
 
