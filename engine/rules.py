@@ -233,7 +233,7 @@ NATIVE_MODEL_METHODS = frozenset(
 )
 #: a native model id is ``{session_id}:tw-{8 hex digits}``; its adapter ``a`` trains as the run
 #: ``{model_id}:a`` (adapter names match ``[A-Za-z0-9][A-Za-z0-9._-]*``, no ``:``)
-_NATIVE_RUN = re.compile(r"^(.+:tw-[0-9a-f]{8}):[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NATIVE_RUN = re.compile(r"(.+:tw-[0-9a-f]{8}):[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch
 
 
 def native_model_id(session_id: str, token: str) -> str:
@@ -250,5 +250,5 @@ def trainer_route_key(model_id: str) -> str:
     """What a Trainer call about ``model_id`` is routed by: the id itself, except that a native
     model's adapter run routes with its native model, whose Trainer replica holds all of that
     model's adapters (e.g. when session expiry releases the run by its id)."""
-    m = _NATIVE_RUN.match(model_id)
+    m = _NATIVE_RUN.fullmatch(model_id)
     return m.group(1) if m else model_id

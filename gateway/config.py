@@ -58,6 +58,18 @@ class GatewayConfig(_Strict):
     jwt_ttl_seconds: int = Field(
         default=900, ge=60, le=86400, description="Lifetime of a minted JWT"
     )
+    audit_denied_retention_days: float = Field(
+        default=30.0,
+        gt=0,
+        description="access_denied audit events (bad keys, missing scope) older than this are "
+        "deleted by the expiry sweep; admin events are kept",
+    )
+    audit_denied_max_rows: int = Field(
+        default=100_000,
+        ge=1,
+        description="At most this many access_denied audit events are kept (the oldest go "
+        "first); with rows under ~1 KiB each, about 100 MiB of database",
+    )
     default_user_quotas: dict[str, int] = Field(
         default_factory=dict,
         description="Per-user quota limits applied when a user has no "

@@ -13,6 +13,12 @@ retryable outage, not a server bug), and unhandled exceptions (500, logged, no i
 body). An engine replica lost mid-call is a 503 and a full checkpoint disk a 507, each with its
 engine message (what to do). 4xx answers other
 than 408/429 carry ``x-should-retry: false`` so the SDK does not retry them.
+
+Engine messages name server files (a checkpoint's storage directory, a model's files, a full
+disk's mount); `without_server_paths` turns each absolute path into ``…/<its last part>`` before
+an engine error reaches any answer (the engine transport applies it to every error it passes on,
+so HTTP errors, failed futures and streams all carry the redacted text; the server log keeps the
+original as the error's cause).
 """
 
 from __future__ import annotations
@@ -37,7 +43,30 @@ INTERNAL_MESSAGE = "internal server error"
 #: what a client is told while the database is unreachable; retry-after is a guess at a restart
 DB_UNAVAILABLE_MESSAGE = "the database is unavailable (restarting or unreachable); retry shortly"
 DB_RETRY_AFTER_S = 5
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+#: used with ``fullmatch`` (``$`` would let a trailing newline through)
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+#: an absolute POSIX path of two or more parts, not the path part of a URL (``tinker://run/x``,
+#: ``https://host/a/b``) except ``file://``; a part may hold a ``:`` but not end with one, so
+#: "checkpoint /data/x: bad" stops before the colon
+_PART = r"[^\s'\"`,;()\[\]{}<>/:]+(?::[^\s'\"`,;()\[\]{}<>/:]+)*"
+_SERVER_PATH_RE = re.compile(rf"(?:(?<=file://)|(?<![\w.:/~-]))(?:/{_PART}){{2,}}")
+
+
+def redact_paths(text: str) -> str:
+    """``text`` with every absolute filesystem path replaced by ``…/<its last part>``."""
+    return _SERVER_PATH_RE.sub(lambda m: "…/" + m.group(0).rsplit("/", 1)[1], text)
+
+
+def without_server_paths(exc: EngineError) -> EngineError:
+    """``exc`` itself when its message names no server path, else a copy of it (same class and
+    attributes) whose message has them redacted (`redact_paths`)."""
+    message = str(exc)
+    public = redact_paths(message)
+    if public == message:
+        return exc
+    clean = type(exc)(public)
+    clean.__dict__.update(exc.__dict__)
+    return clean
 
 
 class GatewayError(Exception):
@@ -178,7 +207,7 @@ def request_id_for(request: Request) -> str:
     if isinstance(rid, str) and rid:
         return rid
     header = request.headers.get("x-request-id", "")
-    rid = header if _REQUEST_ID_RE.match(header) else uuid.uuid4().hex
+    rid = header if _REQUEST_ID_RE.fullmatch(header) else uuid.uuid4().hex
     request.state.request_id = rid
     return rid
 

@@ -108,7 +108,7 @@ class RequestHeadersMiddleware:
             return
         headers = Headers(scope=scope)
         rid = headers.get("x-request-id", "")
-        if not _REQUEST_ID_RE.match(rid):
+        if not _REQUEST_ID_RE.fullmatch(rid):
             rid = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         extra = [("x-request-id", rid)]

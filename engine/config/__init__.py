@@ -256,12 +256,12 @@ class ModelConfig(_Strict):
 
 
 MODELSCOPE_PREFIX = "ms://"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # fullmatch: no trailing newline
 
 
 def is_hub_name(name: str) -> bool:
     """``org/name`` (Hugging Face hub) or ``ms://org/name`` (ModelScope): engine/config/hub.py."""
-    return bool(_REPO_ID.match(name.removeprefix(MODELSCOPE_PREFIX)))
+    return bool(_REPO_ID.fullmatch(name.removeprefix(MODELSCOPE_PREFIX)))
 
 
 def _named_model(name: str) -> bool:

@@ -5,8 +5,9 @@ sha256 hex digest and a 10-character display prefix are stored), lookup (by the 
 ``secrets.compare_digest``; unknown keys do the same work), where a request carries its key
 (``X-API-Key``, ``Authorization: Bearer``, ``Twinkle-Authorization: Bearer``), the checks made on
 every request (revoked, expired, user or organization disabled; so a revocation is effective on the
-next request, also for JWTs minted from the key), and the FastAPI dependencies `PrincipalDep` and
-`AdminPrincipalDep`. A key never appears in a log line, an error message or a response.
+next request, also for JWTs minted from the key), and the FastAPI dependencies `PrincipalDep`,
+`AdminPrincipalDep` and `KeyPrincipalDep` (the key itself, not a JWT: for routes that mint
+credentials). A key never appears in a log line, an error message or a response.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Principal:
     org_id: int | None = None
     org_name: str | None = None
     key_prefix: str = ""
+    #: authenticated by a JWT minted from the key (not the key itself): such a caller may not
+    #: exchange its credential for a new JWT, so a token never outlives its ``exp``
+    via_jwt: bool = False
 
     @property
     def is_admin(self) -> bool:
@@ -72,7 +76,7 @@ def display_prefix(key: str) -> str:
     return key[:DISPLAY_PREFIX_LEN]
 
 
-def _principal(session: Session, key_row: ApiKeyRow) -> Principal:
+def _principal(session: Session, key_row: ApiKeyRow, *, via_jwt: bool = False) -> Principal:
     """The principal of a key row that matched, after the revocation, expiry and disable checks
     (done on every request, so a revocation takes effect on the next one)."""
     if key_row.revoked_at is not None:
@@ -94,6 +98,7 @@ def _principal(session: Session, key_row: ApiKeyRow) -> Principal:
         org_id=org.id if org is not None else None,
         org_name=org.name if org is not None else None,
         key_prefix=key_row.prefix,
+        via_jwt=via_jwt,
     )
 
 
@@ -109,7 +114,7 @@ def authenticate(session: Session, raw_key: str | None, jwt_verifier=None) -> Pr
         if key_row is None:
             raise InvalidTokenError("invalid token")
         try:
-            return _principal(session, key_row)
+            return _principal(session, key_row, via_jwt=True)
         except AuthenticationError as exc:
             raise InvalidTokenError(exc.message) from None
     if not raw_key.startswith(KEY_PREFIX) or len(raw_key) > MAX_KEY_LEN:
@@ -180,3 +185,20 @@ def get_admin_principal(request: Request, principal: PrincipalDep) -> Principal:
 
 
 AdminPrincipalDep = Annotated[Principal, Depends(get_admin_principal)]
+
+
+def get_key_principal(request: Request, principal: PrincipalDep) -> Principal:
+    """FastAPI dependency for the routes that mint a credential (a JWT, an API key): the caller
+    must present the API key itself, not a JWT minted from it (else 403), so a leaked JWT cannot
+    buy a credential that outlives its ``exp``."""
+    if principal.via_jwt:
+        from gateway.accounts.audit import record_denied
+
+        record_denied(request, principal, "a JWT may not mint credentials")
+        raise PermissionDeniedError(
+            "this endpoint needs the API key itself, not a JWT minted from it"
+        )
+    return principal
+
+
+KeyPrincipalDep = Annotated[Principal, Depends(get_key_principal)]

@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import col, select
 
 from gateway.accounts.audit import count_events, event_json, list_events, record_event
-from gateway.accounts.keys import AdminPrincipalDep
+from gateway.accounts.keys import AdminPrincipalDep, get_key_principal
 from gateway.accounts.service import (
     clean_name,
     create_key,
@@ -196,7 +196,7 @@ async def list_keys(
     return {"keys": [key_json(k, u) for k, u in db.exec(q.order_by(col(ApiKeyRow.id)))]}
 
 
-@router.post("/keys")
+@router.post("/keys", dependencies=[Depends(get_key_principal)])  # a JWT mints no API key
 async def create_api_key(body: KeyCreate, who: AdminPrincipalDep, db: DbDep) -> dict:
     user = _user(db, body.user_id)
     key, row = create_key(

@@ -3,26 +3,26 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from gateway.accounts.keys import PrincipalDep
+from gateway.accounts.keys import KeyPrincipalDep, PrincipalDep
 from gateway.accounts.service import revoke_key
 from gateway.context import ServicesDep
 from gateway.db.tables import ApiKeyRow
 from gateway.deps import DbDep
-from gateway.errors import NotFoundError, PermissionDeniedError
+from gateway.errors import NotFoundError
 
 router = APIRouter(prefix="/api/v1/auth")
 
 
 @router.post("/token")
-async def auth_token(who: PrincipalDep, request: Request, services: ServicesDep) -> dict:
+async def auth_token(who: KeyPrincipalDep, services: ServicesDep) -> dict:
+    """A JWT for the caller's API key. Only the key itself is exchanged, whichever header carries
+    it: a JWT that could mint its successor would live, by chained renewals, as long as its key
+    (the SDK refreshes with its API key, so it never sends a JWT here)."""
     issuer = services.jwt
     if issuer is None:
         raise NotFoundError("JWT auth is not enabled on this server (gateway.jwt_enabled)")
-    if request.headers.get("x-api-key", "").startswith("eyJ"):
-        # A JWT may not mint its successor: the chain would outlive the key's checks' intent.
-        raise PermissionDeniedError("exchange an API key, not a JWT, for a token")
     jwt = issuer.mint(user_id=who.user_id, org_id=who.org_id, key_id=who.key_id, scope=who.scope)
     return {"jwt": jwt}
 

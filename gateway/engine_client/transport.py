@@ -8,6 +8,8 @@ Engine errors come back as the engine's own (picklable) exceptions; Ray wraps th
 `RayTaskError`, which we unwrap here so the gateway maps one hierarchy to HTTP. A replica that dies
 mid-call (Ray's ``RayActorError`` family) becomes `ReplicaLostError`, whose message says what the
 client should do (resume from its last checkpoint), instead of an anonymous internal error.
+Every engine error leaves here without the server paths its message names
+(`gateway.errors.without_server_paths`), so no answer, future or stream shows them.
 
 Replicas: a role may have several replicas (``engines[base]["trainer"]`` is then a list, one
 single-replica Serve deployment each, see engine/app.py). An adapter lives in one Trainer replica,
@@ -27,17 +29,20 @@ A dead Trainer replica fails its models' calls at once instead of after its rest
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from engine.errors import EngineError
 from engine.rules import trainer_route_key
 from gateway.engine_client.facades import EveryReplica, SamplerClient, TrainerClient
 from gateway.engine_client.replica_loss import NO_STATE, ReplicaLoss, replica_lost
+from gateway.errors import without_server_paths
 from gateway.futures.kv import KV
 
 Role = Literal["trainer", "sampler"]
+log = logging.getLogger(__name__)
 
 
 def pick_replica(n: int, key: str | None) -> int:
@@ -120,28 +125,34 @@ class EngineClient:
         self, target: Any, method: str, args: tuple, kwargs: dict
     ) -> AsyncIterator[Any]:
         """Iterate an async-generator method of ``target`` (Ray Serve: a streaming call)."""
-        if not self._ray:
-            async for item in getattr(target, method)(*args, **kwargs):
-                yield item
-            return
-        gen = getattr(target.options(stream=True), method).remote(*args, **kwargs)
         try:
-            async for item in gen:
-                yield item
-        except Exception as exc:
-            _reraise_engine_error(exc)
-            _reraise_replica_lost(exc, method)
-            raise
+            if not self._ray:
+                async for item in getattr(target, method)(*args, **kwargs):
+                    yield item
+                return
+            gen = getattr(target.options(stream=True), method).remote(*args, **kwargs)
+            try:
+                async for item in gen:
+                    yield item
+            except Exception as exc:
+                _reraise_engine_error(exc)
+                _reraise_replica_lost(exc, method)
+                raise
+        except EngineError as exc:
+            _reraise_public(exc, method)
 
     async def _call(self, target: Any, method: str, args: tuple, kwargs: dict) -> Any:
-        if not self._ray:
-            return await getattr(target, method)(*args, **kwargs)
         try:
-            return await getattr(target, method).remote(*args, **kwargs)
-        except Exception as exc:
-            _reraise_engine_error(exc)
-            _reraise_replica_lost(exc, method)
-            raise
+            if not self._ray:
+                return await getattr(target, method)(*args, **kwargs)
+            try:
+                return await getattr(target, method).remote(*args, **kwargs)
+            except Exception as exc:
+                _reraise_engine_error(exc)
+                _reraise_replica_lost(exc, method)
+                raise
+        except EngineError as exc:
+            _reraise_public(exc, method)
 
 
 #: Ray's errors for "the actor is gone or unreachable" (ray.exceptions; matched by name so the
@@ -156,6 +167,17 @@ def _reraise_replica_lost(exc: Exception, method: str) -> None:
     unavailable = any(c.__name__ == "ActorUnavailableError" for c in type(exc).__mro__)
     died = None if unavailable else str(getattr(exc, "actor_id", None) or "")
     raise replica_lost(method, died) from None
+
+
+def _reraise_public(exc: EngineError, method: str) -> NoReturn:
+    """Raise ``exc`` without the server paths its message names (`without_server_paths`): every
+    answer, future and stream of the gateway gets its text from here. The original, paths and
+    all, is logged and chained as the cause (server logs only; it is never pickled on)."""
+    public = without_server_paths(exc)
+    if public is exc:
+        raise exc
+    log.info("engine %s failed: %s", method, exc)
+    raise public from exc
 
 
 def _reraise_engine_error(exc: Exception) -> None:

@@ -3,7 +3,8 @@
 Owns: resolving ``model`` (a served base model name, a ``tinker://`` / ``twinkle://`` checkpoint
 path the caller may read, or ``"<base>;<path>"``) to a base model and adapter directory, and the
 cards of the base models and of the sampler checkpoints the caller may use (their own and the
-published ones, unexpired).
+published ones, unexpired; a published card of another user's says ``owned_by: "published"``,
+never who).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from datetime import UTC, datetime
 
 from sqlmodel import col, or_, select
 
-from gateway.db.tables import CheckpointRow, TrainingRunRow, UserRow, utcnow
+from gateway.db.tables import CheckpointRow, TrainingRunRow, utcnow
 from gateway.errors import InvalidRequestError, NotFoundError
-from gateway.runs.checkpoints import readable_checkpoint
+from gateway.runs.checkpoints import owner_shown, readable_checkpoint
 
 _SCHEMES = ("tinker://", "twinkle://")
 
@@ -28,6 +29,8 @@ class Target:
     #: usage is billed there. An OpenAI request names no session of its own, so sampling a base
     #: model or someone else's published checkpoint is recorded under no session.
     session_id: str | None = None
+    #: the checkpoint's owner as the caller may see it (`owner_shown`); None for a base model
+    owner: str | None = None
 
 
 def _epoch(ts: datetime | None) -> int:
@@ -56,7 +59,8 @@ def resolve_model(db, who, engine, model: str) -> Target:
                 f"not {base_hint!r}"
             )
         own = run.session_id if run.user_id == who.user_id else None
-        return Target(run.base_model, ckpt.storage_dir, own)
+        owner = owner_shown(run.user_id, who.user_name, who.user_id)
+        return Target(run.base_model, ckpt.storage_dir, own, owner)
     if engine.serves(name):
         return Target(name, None)
     raise NotFoundError(
@@ -76,10 +80,11 @@ def model_card(mid: str, created: int, owner: str, base: str | None) -> dict:
 
 
 def checkpoint_models(db, who, engine) -> list[dict]:
+    """Cards of the caller's sampler checkpoints and the published ones; another user's card
+    names no owner (`owner_shown`)."""
     rows = db.exec(
-        select(CheckpointRow, TrainingRunRow.base_model, UserRow.name)
+        select(CheckpointRow, TrainingRunRow.base_model)
         .join(TrainingRunRow, col(TrainingRunRow.id) == CheckpointRow.run_id)
-        .join(UserRow, col(UserRow.id) == CheckpointRow.user_id)
         .where(
             CheckpointRow.kind == "sampler",
             col(CheckpointRow.ephemeral).is_(False),
@@ -89,7 +94,12 @@ def checkpoint_models(db, who, engine) -> list[dict]:
     ).all()
     now = utcnow()
     return [
-        model_card(row.tinker_path, _epoch(row.created_at), owner, base)
-        for row, base, owner in rows
+        model_card(
+            row.tinker_path,
+            _epoch(row.created_at),
+            owner_shown(row.user_id, who.user_name, who.user_id),
+            base,
+        )
+        for row, base in rows
         if (row.expires_at is None or row.expires_at > now) and engine.serves(base)
     ]

@@ -41,6 +41,7 @@ from gateway.openai_api.chat_images import (
 )
 from gateway.openai_api.models import Target, checkpoint_models, model_card, resolve_model
 from gateway.openai_api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
+from gateway.runs.checkpoints import PUBLISHED_OWNER
 from gateway.training import text_stream
 from gateway.training.metering import check_sample_size
 from gateway.training.sampling import sampling_params
@@ -68,7 +69,7 @@ async def get_model(model_id: str, who: PrincipalDep, db: DbDep, engine: EngineD
     target = resolve_model(db, who, engine, model_id)
     if target.adapter_dir is None:
         return model_card(target.base_model, 0, "twinkle", None)
-    return model_card(model_id, 0, who.user_name, target.base_model)
+    return model_card(model_id, 0, target.owner or PUBLISHED_OWNER, target.base_model)
 
 
 # -------------------------------------------------------------------------------- generation

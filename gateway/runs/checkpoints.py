@@ -26,8 +26,17 @@ KIND_SEGMENTS = {
     "external_weights": "external",
 }
 SEGMENT_OF_KIND = {v: k for k, v in KIND_SEGMENTS.items()}
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: used with ``fullmatch``: ``$`` would accept a name ending in a newline
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SCHEMES = ("tinker://", "twinkle://")
+#: who a caller is told owns another user's published run or checkpoint: publishing shares the
+#: weights, not the owner's identity (name or id)
+PUBLISHED_OWNER = "published"
+
+
+def owner_shown(owner_id: int, owner_name: str, viewer_id: int) -> str:
+    """The owner as ``viewer_id`` may see it: their own name, else `PUBLISHED_OWNER`."""
+    return owner_name if owner_id == viewer_id else PUBLISHED_OWNER
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class ParsedPath:
 
 
 def validate_name(name: str, field: str = "path") -> str:
-    if not _NAME_RE.match(name or ""):
+    if not _NAME_RE.fullmatch(name or ""):
         raise InvalidRequestError(
             f"{field}: checkpoint name {name!r} must be 1-128 characters of letters, digits, "
             "'.', '_' or '-', starting with a letter or digit"

@@ -1,4 +1,5 @@
-"""Background expiry: silent sessions and checkpoints past their TTL; how a session ends.
+"""Background expiry: silent sessions, checkpoints past their TTL, old access_denied events; how a
+session ends.
 
 `finish_sessions` ends sessions (the client's finish_session, and expiry): it gives back their
 training-client slots and releases their adapters from the Trainer. The sweep also releases any
@@ -21,6 +22,7 @@ from datetime import timedelta
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
+from gateway.accounts.audit import prune_denied_events
 from gateway.config import ServerConfig
 from gateway.db.tables import CheckpointRow, SessionRow, TrainingRunRow, UserRow, utcnow
 from gateway.engine_client import EngineClient
@@ -151,5 +153,11 @@ async def sweep_forever(
                 if checkpoint_deleted is not None:
                     db.info[CHECKPOINT_DELETED] = checkpoint_deleted
                 purge_expired_checkpoints(db)
+                gw = config.gateway
+                prune_denied_events(
+                    db,
+                    max_age_s=gw.audit_denied_retention_days * 86400,
+                    max_rows=gw.audit_denied_max_rows,
+                )
         except Exception:  # keep sweeping; one bad pass must not stop expiry for good
             log.exception("expiry sweep failed")

@@ -19,7 +19,7 @@ from gateway.config import ServerConfig
 from gateway.db.tables import CheckpointRow, SessionRow, TrainingRunRow, UserRow
 from gateway.engine_client import EngineClient
 from gateway.errors import NotFoundError
-from gateway.runs.checkpoints import SEGMENT_OF_KIND, parse_path
+from gateway.runs.checkpoints import PUBLISHED_OWNER, SEGMENT_OF_KIND, parse_path
 from gateway.runs.expiry import purge_expired_checkpoints
 
 Scope = Literal["owned", "accessible"]
@@ -77,13 +77,12 @@ def _runs_where(user_id: int, access_scope: str):
     return owned | col(TrainingRunRow.id).in_(public_runs)
 
 
-def run_json(
-    db, run: TrainingRunRow, owner_name: str | None = None, viewer: int | None = None
-) -> dict:
-    if owner_name is None:
+def run_json(db, run: TrainingRunRow, viewer: int) -> dict:
+    """The run as user ``viewer`` sees it: another user's (published) run names no owner."""
+    owner_name = PUBLISHED_OWNER
+    if run.user_id == viewer:
         owner = db.get(UserRow, run.user_id)
-        owner_name = owner.name if owner else str(run.user_id)
-    viewer = run.user_id if viewer is None else viewer
+        owner_name = owner.name if owner else str(viewer)
 
     def last(kind: str) -> dict | None:
         row = db.exec(

@@ -97,7 +97,7 @@ def _adapter_name(body: dict[str, Any], method: str) -> str:
     if method == "add_adapter_to_model" and not name:
         raise InvalidRequestError("adapter_name: required")
     name = name or "default"
-    if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
         raise InvalidRequestError(
             f"adapter_name: {name!r} must be 1-64 letters, digits, '.', '_' or '-' (starting "
             "with a letter or digit)"

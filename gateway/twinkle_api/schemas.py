@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.deps import SEED_MAX, SEED_MIN, Tags, UserMetadata
 
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"  # for re.fullmatch
 
 
 class _Req(BaseModel):

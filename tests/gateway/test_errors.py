@@ -21,7 +21,9 @@ from gateway.errors import (
     NotFoundError,
     PermissionDeniedError,
     RateLimitedError,
+    redact_paths,
     register_exception_handlers,
+    without_server_paths,
 )
 
 ERRORS = [
@@ -168,3 +170,40 @@ def test_rate_limited_retry_after() -> None:
     err = pickle.loads(pickle.dumps(RateLimitedError("slow down", 2.5)))
     assert err.retry_after_s == 2.5 and err.headers()["retry-after"] == "3"
     assert RateLimitedError("x").headers()["retry-after"] == "1"
+
+
+@pytest.mark.parametrize(
+    "text,public",
+    [
+        ("checkpoint /data/checkpoints/1/run/weights/st-2a: bad", "checkpoint …/st-2a: bad"),
+        (
+            "cannot read /a/b.json: No such file: '/a/b.json'",
+            "cannot read …/b.json: No such file: '…/b.json'",
+        ),
+        (
+            "no space left on the disk of /mnt/ckpt/3 while",
+            "no space left on the disk of …/3 while",
+        ),
+        ("at file:///srv/x/y.bin", "at file://…/y.bin"),
+        ("checkpoint /x/sess-a:train:0/w missing", "checkpoint …/w missing"),
+        # not server paths: kept as they are
+        ("tinker://sess-x:train:0/weights/a not found", None),
+        ("see https://host/a/b and Qwen/Qwen2-0.5B", None),
+        ("ratio 1/2/3, route /single", None),
+    ],
+)
+def test_redact_paths(text: str, public: str | None) -> None:
+    assert redact_paths(text) == (text if public is None else public)
+
+
+def test_without_server_paths_keeps_the_error_but_not_the_path() -> None:
+    from engine.errors import ReplicaLostError, StorageFullError
+
+    plain = CheckpointError("checkpoint shape mismatch")
+    assert without_server_paths(plain) is plain
+    full = without_server_paths(StorageFullError("disk of /srv/data/ckpt is full"))
+    assert type(full) is StorageFullError and str(full) == "disk of …/ckpt is full"
+    lost = ReplicaLostError("replica at /srv/x/y died")
+    lost.died = "actor-1"
+    clean = pickle.loads(pickle.dumps(without_server_paths(lost)))
+    assert str(clean) == "replica at …/y died" and clean.died == "actor-1"

@@ -69,6 +69,23 @@ def test_jwt_whoami_and_revocation_stops_a_running_session(server) -> None:
         tc.forward_backward([_datum()], "cross_entropy").result()
 
 
+def test_sdk_refreshes_its_jwt_with_its_api_key(server) -> None:
+    """The server exchanges only API keys for JWTs: the SDK's refresh (what its background loop
+    and its invalid_token replay run) still gets a fresh JWT, which the next step uses."""
+    from tinker.lib._jwt_auth import JwtAuthProvider, jwt_claims
+
+    key = new_key(server["db_url"], "refresher", org="acme")
+    sc = tinker.ServiceClient(base_url=server["url"], api_key=key)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4)
+    provider = sc.holder._default_auth
+    assert isinstance(provider, JwtAuthProvider)
+    first = sc.holder.run_coroutine_threadsafe(provider.get_token()).result()
+    time.sleep(1.1)  # a later iat, so the refreshed token differs
+    fresh = sc.holder.run_coroutine_threadsafe(provider._fetch()).result()
+    assert fresh != first and jwt_claims(fresh)["iat"] > jwt_claims(first)["iat"]
+    assert tc.forward_backward([_datum()], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
 def test_admin_client_usage_storage_and_audit(server) -> None:
     admin = new_key(server["db_url"], "root2", org="acme2", scope="admin")
     user = new_key(server["db_url"], "bob", org="acme2")

@@ -136,7 +136,7 @@ def test_publish_is_owner_only_and_makes_readable(env):
         )
         assert client.request(method.upper(), url, headers=as_bob).status_code == 404
     got = client.get(f"/api/v1/training_runs/{run}?access_scope=accessible", headers=as_bob)
-    assert got.status_code == 200 and got.json()["model_owner"] == "alice"
+    assert got.status_code == 200 and got.json()["model_owner"] == "published"  # not who
     assert client.get(f"/api/v1/training_runs/{run}", headers=as_bob).status_code == 404  # owned
     assert (
         client.delete(f"/api/v1/training_runs/{run}/checkpoints/{ckpt}/publish").status_code == 200

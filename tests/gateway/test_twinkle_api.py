@@ -221,6 +221,9 @@ def test_bad_input_is_4xx_naming_the_problem(env, alice):
         (lambda: m.save("../x"), "name"),
         (lambda: m.load("never-saved"), "not found"),
         (lambda: m.add_adapter_to_model("checks", {"r": 4}), "exists already"),
+        # names are matched whole: "$" alone would let a trailing newline through
+        (lambda: m.add_adapter_to_model("checks\n", {"r": 4}), "adapter_name"),
+        (lambda: m.save("ck\n"), "name"),
         (lambda: m.set_lr_scheduler("cosine"), "total_steps"),
         (lambda: vLLMSampler(BASE, client=alice).set_template("Nope"), "unknown template"),
         (

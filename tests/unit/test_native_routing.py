@@ -23,7 +23,8 @@ def test_native_runs_route_with_their_model_and_nothing_else_moves():
     for adapter in ("default", "dpo", "a.b-c_1"):
         assert trainer_route_key(native_run_id(mid, adapter)) == mid
     assert trainer_route_key(mid) == mid
-    for other in ("sess-1:train:0", "run-3", "sess-1:tw-nothex12:x", "sess-1:tw-0a1b2c3d:a:b"):
+    others = ("sess-1:train:0", "run-3", "sess-1:tw-nothex12:x", "sess-1:tw-0a1b2c3d:a:b")
+    for other in (*others, f"{mid}:a\n"):  # a name is matched whole: no trailing newline
         assert trainer_route_key(other) == other
 
 
