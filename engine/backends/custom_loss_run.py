@@ -134,14 +134,22 @@ def check_datum(
     if isinstance(result, tuple):  # (node, rule): the same error on every datum of this shape
         raise fail(loss.name, f"{where}: {result[0]}", result[1])
     limits = budget.limits
-    over = result.held_first if grad else result.peak_first
-    if over is not None:
-        what = "every intermediate (autograd keeps them until backward)" if grad else "live"
+    mem = result.held_first if grad else result.peak_first
+    if mem is not None and (result.work_first is None or mem[0] <= result.work_first[0]):
+        what = "all of which training keeps until backward" if grad else "alive at once"
         raise fail(
             loss.name,
-            f"{where}: {over[0]}",
-            f"the loss's intermediates ({what}) reach {_gib(over[1])}; at most "
+            f"{where}: {mem[1]}",
+            f"the loss's intermediates ({what}) reach {_gib(mem[2])}; at most "
             f"{_gib(limits.max_live_bytes)} per datum",
+        )
+    if result.work_first is not None:
+        raise fail(
+            loss.name,
+            f"{where}: {result.work_first[1]}",
+            f"the loss's work reaches {result.work_first[2]} element operations; at most "
+            f"{limits.max_work} per datum (a sort costs n log n, a nuclear norm m·n·min(m, n) "
+            "per matrix)",
         )
     return result.bound
 
@@ -149,8 +157,11 @@ def check_datum(
 @dataclass(frozen=True)
 class _Walked:
     bound: LossBound
-    peak_first: tuple[str, int] | None  # (node, bytes) where the live budget was first passed
-    held_first: tuple[str, int] | None
+    # (step, node, amount) where a budget was first passed: live bytes (forward only), every
+    # intermediate's bytes (training), work (the walk stops there)
+    peak_first: tuple[int, str, int] | None
+    held_first: tuple[int, str, int] | None
+    work_first: tuple[int, str, int] | None
 
 
 def _walk(loss: CompiledLoss, shapes: Sequence, budget: CheckBudget, where: str) -> Any:
@@ -160,7 +171,7 @@ def _walk(loss: CompiledLoss, shapes: Sequence, budget: CheckBudget, where: str)
     dependent = [False] * len(values)
     live = _Live(values)
     work, peak, numel, dep_steps = 0, 0, [], set()
-    peak_first = held_first = None
+    peak_first = held_first = work_first = None
     for k, step in enumerate(loss.steps):
         node = f"node {step.node!r} ({step.target})"
         if time.monotonic() > budget.deadline:  # not kept: it depends on the load
@@ -182,21 +193,19 @@ def _walk(loss: CompiledLoss, shapes: Sequence, budget: CheckBudget, where: str)
             dep_steps.add(k)
         numel.append(sum(t.numel() for t in tensors(out)))
         work += step_work(step.target, args, kwargs, out, live.add(out))
-        if work > limits.max_work:
-            return node, (
-                f"the loss's work reaches {work} element operations; at most {limits.max_work} "
-                "per datum (a sort costs n log n, a nuclear norm m·n·min(m, n) per matrix)"
-            )
         peak = max(peak, live.bytes)
         if peak_first is None and live.bytes > limits.max_live_bytes:
-            peak_first = (node, live.bytes)
+            peak_first = (k, node, live.bytes)
         if held_first is None and live.held > limits.max_live_bytes:
-            held_first = (node, live.held)
+            held_first = (k, node, live.held)
+        if work > limits.max_work:
+            work_first = (k, node, work)
+            break
         for i in loss.frees[k]:
             live.drop(values[i])
             values[i] = None
     bound = LossBound(work, peak, live.held, tuple(numel), frozenset(dep_steps))
-    return _Walked(bound, peak_first, held_first)
+    return _Walked(bound, peak_first, held_first, work_first)
 
 
 def run_loss(
