@@ -96,7 +96,6 @@ def _torch(model: ModelConfig, data_dir: str) -> SamplingBackend:
         max_image_pixels=model.images.max_pixels,
         device=device,
         dtype=dtype,
-        loss_limits=_loss_limits(model),
     )
 
 
