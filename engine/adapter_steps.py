@@ -22,10 +22,11 @@ from engine.protocol import (
     LoraSpec,
     OptimStepOutput,
 )
+from engine.rules import CUSTOM_LOSS_FN
 from engine.scheduling.adapter_pool import AdapterPool
 from engine.scheduling.fair import FIXED_COST, FairScheduler
 from engine.scheduling.sequencer import Sequencer
-from engine.scheduling.slicing import merge_outputs, slice_input
+from engine.scheduling.slicing import datum_tokens, merge_outputs, slice_input
 from engine.storage import SharedDirStorage
 
 T = TypeVar("T")
@@ -119,7 +120,15 @@ class AdapterSteps:
     async def _forward_backward_slices(
         self, model_id: str, inp: ForwardBackwardInput
     ) -> ForwardBackwardOutput:
-        slices = slice_input(inp, self._slice_tokens)
+        extra = None
+        if inp.loss_fn == CUSTOM_LOSS_FN or sum(datum_tokens(inp)) > self._slice_tokens:
+            # The whole request is checked before any slice adds to the gradient, on the compute
+            # thread like any work (never on the event loop, where it would stall every tenant's
+            # requests and health checks), and it says what a custom loss costs beyond tokens.
+            extra = await self._compute(
+                model_id, FIXED_COST, lambda: self.backend.validate_input(inp), "check"
+            )
+        slices = slice_input(inp, self._slice_tokens, extra)
         if len(slices) == 1:
             return await self._compute(
                 model_id,
@@ -128,8 +137,6 @@ class AdapterSteps:
                 "forward" if inp.forward_only else "forward_backward",
                 fuse_item=(model_id, inp),
             )
-        # Validate the whole request before any slice adds to the gradient.
-        self.backend.validate_input(inp)
         outs = []
         for part, cost in slices:
             outs.append(

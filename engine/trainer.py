@@ -25,6 +25,7 @@ from engine.adapter_steps import AdapterSteps
 from engine.backends.base import GradOp, TrainingBackend, check_grad_op
 from engine.backends.registry import build_training_backend
 from engine.config import ModelConfig
+from engine.errors import BackendError, EngineError
 from engine.native import NativeModelHost
 from engine.protocol import (
     AdamParams,
@@ -122,9 +123,24 @@ class Trainer(ServesMetrics):
 
     # -- helpers -------------------------------------------------------------------------------
     def _run_fused(self, items: list[tuple[str, ForwardBackwardInput]]) -> list:
-        for adapter_id, _ in items:
-            self.pool.use(adapter_id)
-        return self.backend.forward_backward_many(items)
+        """One result or error per item: an adapter that cannot be made resident (deleted, or
+        its offloaded copy unreadable) fails its own item only."""
+        results: list = [None] * len(items)
+        ready = []
+        for k, (adapter_id, _) in enumerate(items):
+            try:
+                self.pool.use(adapter_id)
+            except EngineError as e:
+                results[k] = e
+            except Exception as e:  # an offload folder that cannot be read back
+                log.exception("adapter %s could not be made resident", adapter_id)
+                results[k] = BackendError(f"adapter {adapter_id!r}: {type(e).__name__}: {e}")
+            else:
+                ready.append(k)
+        outs = self.backend.forward_backward_many([items[k] for k in ready]) if ready else []
+        for k, out in zip(ready, outs, strict=True):
+            results[k] = out
+        return results
 
     def _choose_execution(self) -> dict:
         """fused or sequential: configured, or measured on this device at start-up."""

@@ -84,11 +84,14 @@ class TrainingBackend(ABC):
         """The spec the adapter was created or loaded with (AdapterNotFoundError if absent)."""
 
     # -- passes --------------------------------------------------------------------------------
-    def validate_input(self, inp: ForwardBackwardInput) -> None:
-        """Raise the UserInputError ``inp`` would fail with, computing nothing. The Trainer calls
+    def validate_input(self, inp: ForwardBackwardInput) -> Sequence[int] | None:
+        """Raise the UserInputError ``inp`` would fail with, computing nothing; return each
+        datum's loss cost in tokens beyond its own tokens (a custom loss's work and memory,
+        which the Trainer charges the tenant and slices by), or None for none. The Trainer calls
         it before running a large request in slices, so that a bad last slice cannot leave the
-        earlier slices' gradients behind. Default: no check (forward_backward still validates;
-        a backend whose forward_backward can reject input must override this)."""
+        earlier slices' gradients behind, and before any custom-loss request. Default: no check
+        (forward_backward still validates; a backend whose forward_backward can reject input
+        must override this)."""
         return None  # the documented default
 
     @abstractmethod

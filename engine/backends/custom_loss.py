@@ -2,7 +2,9 @@
 and their loss inside the training pass.
 
 Owns `validate_custom_request` (the graph compiled by engine/backends/custom_loss_graph.py, each
-row's inputs at their declared ranks, each row dry-run once on its real shapes before any compute)
+row's inputs at their declared ranks, each row's shapes checked against the budgets by
+engine/backends/custom_loss_run.py before any compute: nothing of the loss is allocated or run
+there), `extra_tokens` (what the loss costs beyond the rows' tokens, which the scheduler charges)
 and `request_loss` (the loss of some rows, the signature of `losses.request_loss`, which the
 backends call for every other loss).
 
@@ -19,17 +21,19 @@ trip instead of the client path's two (forward, then a cross-entropy surrogate w
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from engine.backends.custom_loss_graph import CompiledLoss, compile_loss, run_loss
+from engine.backends.custom_loss_graph import CompiledLoss, compile_loss
+from engine.backends.custom_loss_run import CheckBudget, LossLimits, check_datum, run_loss
 from engine.backends.losses import LossSpec, MetricSums
 from engine.backends.train_rows import Request, datum
 from engine.errors import UserInputError
-from engine.protocol import ForwardBackwardInput
+from engine.protocol import CustomLossGraph, ForwardBackwardInput
 from engine.rules import CUSTOM_LOSS_FN
 
 if TYPE_CHECKING:
@@ -37,7 +41,24 @@ if TYPE_CHECKING:
 
 #: the loss's row spec: target_tokens [N] or [N, K]; its inputs are the graph's, checked here
 SPEC = LossSpec(CUSTOM_LOSS_FN, top_k=True)
-__all__ = ["SPEC", "CompiledLoss", "request_loss", "validate_custom_request"]
+__all__ = ["SPEC", "CompiledLoss", "LossLimits", "request_loss", "validate_custom_request"]
+
+#: graphs compiled lately, by identity: a request's whole-request check and its slices share the
+#: graph object, so they share its compiled form and its shape checks
+_COMPILED: OrderedDict[int, tuple[CustomLossGraph, CompiledLoss]] = OrderedDict()
+_COMPILED_KEPT = 16
+
+
+def _compiled(graph: CustomLossGraph) -> CompiledLoss:
+    hit = _COMPILED.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        _COMPILED.move_to_end(id(graph))
+        return hit[1]
+    compiled = compile_loss(graph)
+    _COMPILED[id(graph)] = (graph, compiled)
+    while len(_COMPILED) > _COMPILED_KEPT:
+        _COMPILED.popitem(last=False)
+    return compiled
 
 
 def _input(arr: np.ndarray, rank: int, field: str) -> np.ndarray:
@@ -53,20 +74,25 @@ def _input(arr: np.ndarray, rank: int, field: str) -> np.ndarray:
 
 
 def validate_custom_request(
-    inp: ForwardBackwardInput, vocab: int, max_positions: int, vision: Vision | None
+    inp: ForwardBackwardInput,
+    vocab: int,
+    max_positions: int,
+    vision: Vision | None,
+    limits: LossLimits,
 ) -> Request:
     """A ``custom`` request: its graph compiled, each row's inputs at their declared ranks, and
-    the loss dry-run once per row on zero logprobs of the row's real shape (so a shape error
-    fails here, naming the node, before any compute)."""
+    each row's shapes checked within ``limits`` (a shape error or a budget fails here, naming the
+    node, before any compute)."""
     if inp.custom_loss is None:
         raise UserInputError("loss_fn_config.loss_id: no custom loss attached to this request")
     extra = sorted(set(inp.loss_fn_config or {}) - {"loss_id"})
     if extra:
         raise UserInputError(f"loss_fn_config.{extra[0]}: loss_fn 'custom' takes only loss_id")
-    compiled = compile_loss(inp.custom_loss)
+    compiled = _compiled(inp.custom_loss)
+    budget = CheckBudget(limits)
     if not inp.data:
         raise UserInputError("data: must contain at least one datum")
-    data = []
+    data, bounds = [], []
     for i, d in enumerate(inp.data):
         f = f"data[{i}]"
         row = datum(d, f, SPEC, vocab, max_positions, vision)
@@ -85,13 +111,26 @@ def validate_custom_request(
             if lfi.get(name) is None:
                 raise UserInputError(f"{field}: required by custom loss {compiled.name!r}")
             row.inputs[name] = _input(np.asarray(lfi[name]), rank, field)
-        lp = torch.zeros(row.targets.shape if row.two_d else row.targets.shape[:1])
-        with torch.no_grad():
-            run_loss(
-                compiled, lp, [torch.from_numpy(row.inputs[n]) for n in compiled.input_names], f
-            )
+        lp = tuple(row.targets.shape if row.two_d else row.targets.shape[:1])
+        shapes = [(lp, torch.float32)] + [
+            (row.inputs[n].shape, _DTYPES[row.inputs[n].dtype.kind]) for n in compiled.input_names
+        ]
+        bounds.append(check_datum(compiled, shapes, f, budget, grad=not inp.forward_only))
         data.append(row)
-    return Request(SPEC, {}, data, bool(inp.forward_only), False, custom=compiled)
+    req = Request(SPEC, {}, data, bool(inp.forward_only), False, custom=compiled)
+    req.custom_bounds, req.custom_limits = bounds, limits
+    return req
+
+
+_DTYPES = {"f": torch.float32, "i": torch.int64}
+
+
+def extra_tokens(req: Request) -> list[int]:
+    """Each datum's loss cost in tokens, beyond its own tokens (0 for a built-in loss)."""
+    if req.custom is None or req.custom_limits is None:
+        return [0] * len(req.data)
+    grad = not req.forward_only
+    return [b.extra_tokens(req.custom_limits, grad) for b in req.custom_bounds]
 
 
 def request_loss(
@@ -105,14 +144,14 @@ def request_loss(
 ) -> torch.Tensor:
     """`losses.request_loss` for a ``custom`` request: the sum of the rows' losses, in datum
     order as the SDK adds them; writes each row's ``logprobs`` output and adds the metrics."""
-    compiled = req.custom
-    assert compiled is not None
+    compiled, limits = req.custom, req.custom_limits
+    assert compiled is not None and limits is not None
     total: torch.Tensor | None = None
     for i, lp in zip(idx, lps, strict=True):
         d = req.data[i]
         lp = lp if d.two_d else lp[:, 0]
         inputs = [torch.from_numpy(d.inputs[n]).to(device) for n in compiled.input_names]
-        loss, mets = run_loss(compiled, lp, inputs, f"data[{i}]")
+        loss, mets = run_loss(compiled, lp, inputs, f"data[{i}]", req.custom_bounds[i], limits)
         outputs[i] = {"logprobs": lp.detach().cpu().numpy().astype(np.float32)}
         for key, value in mets.items():
             metrics.add(key, float(value.detach().reshape(())), 1)

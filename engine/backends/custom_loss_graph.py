@@ -2,8 +2,10 @@
 (``create_custom_loss``), checked, then run on one datum's tensors.
 
 Owns `compile_loss` (a wire graph, `engine.protocol.CustomLossGraph`, into a `CompiledLoss`: every
-check happens here, before any use) and `run_loss` (one datum's loss and metrics).
-engine/backends/custom_loss.py runs it inside a training request.
+structural check happens here, before any use, with each value's last use, so the interpreter can
+free it) and the per-call guards both the shape check and the interpreter apply (`resolve`,
+`check_operands`, `check_value`). engine/backends/custom_loss_run.py checks a datum's shapes and
+budgets and runs the loss; engine/backends/custom_loss.py runs it inside a training request.
 
 Checks (a UserInputError naming the node and the rule; the gateway answers 400):
 
@@ -14,9 +16,8 @@ Checks (a UserInputError naming the node and the rule; the gateway answers 400):
 * references: a node may use only nodes defined before it, so a graph has no cycles;
 * size: at most `MAX_NODES` nodes, arguments nested at most `MAX_ARG_DEPTH` deep with at most
   `MAX_LITERAL` scalars per node, names and strings at most `MAX_NAME` characters, integers within
-  +-2**53, and at run time every tensor an operation reads or makes at most `MAX_ELEMENTS`
-  elements (checked before the call from the inputs' broadcast shape: no allowed operation makes
-  an output larger than that);
+  +-2**53; what one datum may allocate and compute is checked per datum before it runs
+  (engine/backends/custom_loss_run.py);
 * values: numbers, tensors, shapes and dtypes only: Python's operators refuse strings and lists
   (no ``"a" * 10**9``), and a number beyond +-2**53 stops the loss.
 """
@@ -25,8 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,8 +41,6 @@ MAX_ARG_DEPTH = CUSTOM_LOSS_MAX_ARG_DEPTH
 MAX_LITERAL = 4096
 MAX_NAME = 128
 MAX_INT = 2**53
-#: 16 M elements (64 MiB of float32): a [T, T] pairwise term at T = 4096 fits
-MAX_ELEMENTS = 1 << 24
 MAX_INPUTS = 16  # the SDK's limit, logprobs included
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _METRIC = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")  # the SDK's rule
@@ -73,6 +71,12 @@ class CompiledLoss:
     steps: tuple[_Step, ...]
     loss: _Ref
     metrics: dict[str, _Ref]
+    #: per step, the values (by index) no later step reads: the interpreter drops them there
+    frees: tuple[tuple[int, ...], ...] = ()
+    #: per step, the values it reads
+    reads: tuple[frozenset[int], ...] = ()
+    #: shape checks already made, by a datum's input shapes (engine/backends/custom_loss_run.py)
+    checked: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _fail(graph: str, where: str, rule: str) -> UserInputError:
@@ -209,7 +213,45 @@ def compile_loss(graph: CustomLossGraph) -> CompiledLoss:
     if out is None:
         raise _fail(name, "graph.nodes", "has no output node")
     ranks = tuple(r for _, r in inputs)
-    return CompiledLoss(name, tuple(n for n, _ in inputs[1:]), ranks, tuple(steps), *out)
+    loss, metrics = out
+    reads = tuple(frozenset(_refs((s.args, s.kwargs))) for s in steps)
+    return CompiledLoss(
+        name,
+        tuple(n for n, _ in inputs[1:]),
+        ranks,
+        tuple(steps),
+        loss,
+        metrics,
+        _frees(len(inputs), reads, {loss.index, *(r.index for r in metrics.values())}),
+        reads,
+    )
+
+
+def _refs(v: Any) -> list[int]:
+    if isinstance(v, _Ref):
+        return [v.index]
+    if isinstance(v, (list, tuple)):
+        return [i for x in v for i in _refs(x)]
+    if isinstance(v, dict):
+        return [i for x in v.values() for i in _refs(x)]
+    if isinstance(v, slice):
+        return _refs([v.start, v.stop, v.step])
+    return []
+
+
+def _frees(n_inputs: int, reads: tuple[frozenset[int], ...], kept: set[int]) -> tuple:
+    """Per step, the step results whose last reader it is (a result nobody reads goes at once);
+    the inputs and the returned values are never dropped."""
+    last = {n_inputs + k: k for k in range(len(reads))}
+    for k, refs in enumerate(reads):
+        for i in refs:
+            if i >= n_inputs:
+                last[i] = k
+    frees: list[list[int]] = [[] for _ in reads]
+    for i, k in last.items():
+        if i not in kept:
+            frees[k].append(i)
+    return tuple(tuple(f) for f in frees)
 
 
 def _node_fields(graph: str, k: int, node: Any) -> tuple[str, str, str]:
@@ -280,39 +322,34 @@ def _output(graph: str, where: str, args: list) -> tuple[_Ref, dict[str, _Ref]]:
     return loss, metrics
 
 
-# ----------------------------------------------------------------------------------- running
+# ------------------------------------------------------------------------ per-call guards
 
 
-def _resolve(v: Any, values: list, device: torch.device) -> Any:
+def resolve(v: Any, values: list, device: torch.device) -> Any:
+    """``v`` with each `_Ref` replaced by its value and the device placeholder by ``device``."""
     if isinstance(v, _Ref):
         return values[v.index]
     if v is _DEVICE:
         return device
     if isinstance(v, list):
-        return [_resolve(x, values, device) for x in v]
+        return [resolve(x, values, device) for x in v]
     if isinstance(v, tuple):
-        return tuple(_resolve(x, values, device) for x in v)
+        return tuple(resolve(x, values, device) for x in v)
     if isinstance(v, dict):
-        return {k: _resolve(x, values, device) for k, x in v.items()}
+        return {k: resolve(x, values, device) for k, x in v.items()}
     if isinstance(v, slice):
-        return slice(*(_resolve(x, values, device) for x in (v.start, v.stop, v.step)))
+        return slice(*(resolve(x, values, device) for x in (v.start, v.stop, v.step)))
     return v
 
 
-def _tensors(v: Any) -> list[torch.Tensor]:
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [t for x in v for t in _tensors(x)]
-    if isinstance(v, dict):
-        return [t for x in v.values() for t in _tensors(x)]
-    return []
-
-
-def _check_value(step: _Step, v: Any) -> None:
+def check_value(v: Any, max_elements: int) -> None:
+    """A step's result is a value a loss can use, each tensor at most ``max_elements``."""
     if isinstance(v, (torch.Tensor, torch.Size, torch.dtype, bool, float, type(None))):
-        if isinstance(v, torch.Tensor) and v.numel() > MAX_ELEMENTS:
-            raise ValueError(f"a tensor of {v.numel()} elements; at most {MAX_ELEMENTS}")
+        if isinstance(v, torch.Tensor) and v.numel() > max_elements:
+            shape = list(v.shape)
+            raise ValueError(
+                f"its output {shape} has {v.numel()} elements; at most {max_elements} per tensor"
+            )
         return
     if isinstance(v, int):
         if abs(v) > MAX_INT:
@@ -320,54 +357,24 @@ def _check_value(step: _Step, v: Any) -> None:
         return
     if isinstance(v, (tuple, list)) and len(v) <= MAX_LITERAL:
         for x in v:
-            _check_value(step, x)
+            check_value(x, max_elements)
         return
     raise ValueError(f"a result of type {type(v).__name__}, which a loss cannot use")
 
 
-def _call(step: _Step, args: tuple, kwargs: dict) -> Any:
-    if step.arithmetic:  # numbers and tensors only: no "a" * 10**9, no list repetition
-        for a in args:
-            if not isinstance(a, (torch.Tensor, int, float, bool)):
-                raise TypeError(f"{step.target} takes tensors and numbers, got {type(a).__name__}")
-        nums = [a for a in args if not isinstance(a, torch.Tensor)]
-        if step.target == "operator.pow" and len(nums) == 2 and abs(nums[1]) > 64:
-            raise ValueError("a Python power with an exponent beyond 64")
-    tensors = _tensors((args, kwargs))
-    if tensors:
-        if step.target in ops.JOINS:
-            bound = sum(t.numel() for t in tensors)
-        else:
-            try:
-                bound = math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
-            except RuntimeError:  # not broadcastable together (index_select, gather ...)
-                bound = max(t.numel() for t in tensors)
-        if bound > MAX_ELEMENTS:
-            raise ValueError(f"its inputs span {bound} elements; at most {MAX_ELEMENTS}")
-    out = step.fn(*args, **kwargs)
-    _check_value(step, out)
-    return out
+def check_operands(step: _Step, args: tuple) -> None:
+    """Python's operators on numbers and tensors only: no ``"a" * 10**9``, no list repetition,
+    no huge Python powers."""
+    if not step.arithmetic:
+        return
+    for a in args:
+        if not isinstance(a, (torch.Tensor, int, float, bool)):
+            raise TypeError(f"{step.target} takes tensors and numbers, got {type(a).__name__}")
+    nums = [a for a in args if not isinstance(a, torch.Tensor)]
+    if step.target == "operator.pow" and len(nums) == 2 and abs(nums[1]) > 64:
+        raise ValueError("a Python power with an exponent beyond 64")
 
 
-def run_loss(
-    loss: CompiledLoss, logprobs: torch.Tensor, inputs: Sequence[torch.Tensor], where: str
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One datum's (loss, metrics); a failing node is a UserInputError naming it and ``where``."""
-    values: list[Any] = [logprobs, *inputs]
-    device = logprobs.device
-    for step in loss.steps:
-        args = _resolve(step.args, values, device)
-        kwargs = _resolve(step.kwargs, values, device)
-        try:
-            values.append(_call(step, args, kwargs))
-        except Exception as e:  # whatever a client's graph raises is the client's error
-            msg = " ".join(str(e).split())[:300]
-            raise _fail(loss.name, f"{where}: node {step.node!r} ({step.target})", msg) from None
-    out, metrics = values[loss.loss.index], {k: values[r.index] for k, r in loss.metrics.items()}
-    if not isinstance(out, torch.Tensor) or out.ndim != 0:
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise _fail(loss.name, where, f"must return a scalar loss, got {shape}")
-    for key, value in metrics.items():
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            raise _fail(loss.name, where, f"metric {key!r} must be a one-element tensor")
-    return out, metrics
+def fail(graph: str, where: str, rule: str) -> UserInputError:
+    """The client's error: the graph, where (datum and node) and the rule, on one short line."""
+    return _fail(graph, where, " ".join(rule.split())[:300])

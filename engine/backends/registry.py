@@ -45,7 +45,14 @@ def _transformers(model: ModelConfig, data_dir: str) -> TrainingBackend:
         max_image_pixels=model.images.max_pixels,
         device=device,
         dtype=dtype,
+        loss_limits=_loss_limits(model),
     )
+
+
+def _loss_limits(model: ModelConfig):
+    from engine.backends.custom_loss_run import LossLimits
+
+    return LossLimits(**model.custom_loss.model_dump())
 
 
 def _megatron(model: ModelConfig, data_dir: str) -> TrainingBackend:
@@ -63,6 +70,7 @@ def _megatron(model: ModelConfig, data_dir: str) -> TrainingBackend:
         recompute=mc.recompute_granularity,
         worker_num_cpus=mc.worker_num_cpus,
         worker_num_gpus=mc.worker_num_gpus,
+        loss_limits=_loss_limits(model),
     )
 
 

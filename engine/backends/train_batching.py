@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.backends.custom_loss import validate_custom_request
+from engine.backends.custom_loss import LossLimits, validate_custom_request
 from engine.backends.loss_config import parse_config
 from engine.backends.losses import get_loss
 from engine.backends.tinker_dpo import tinker_dpo
@@ -40,12 +40,18 @@ def _check_groups(data: list[Datum]) -> None:
 
 
 def validate_request(
-    inp: ForwardBackwardInput, vocab: int, max_positions: int, vision: Vision | None = None
+    inp: ForwardBackwardInput,
+    vocab: int,
+    max_positions: int,
+    vision: Vision | None = None,
+    loss_limits: LossLimits | None = None,
 ) -> Request:
     """Check the whole request (loss name, config, every datum) before any compute; ``vision``
-    (VL models) expands and processes images, a text model refuses them."""
+    (VL models) expands and processes images, a text model refuses them; a custom loss is
+    checked within ``loss_limits`` (default: `LossLimits`)."""
     if inp.loss_fn == CUSTOM_LOSS_FN:  # a traced loss: its own checks
-        return validate_custom_request(inp, vocab, max_positions, vision)
+        limits = loss_limits or LossLimits()
+        return validate_custom_request(inp, vocab, max_positions, vision, limits)
     inp = tinker_dpo(inp)
     loss = get_loss(inp.loss_fn)
     config, disable_lora = parse_config(loss, inp.loss_fn_config, bool(inp.forward_only))

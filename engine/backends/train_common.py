@@ -223,9 +223,11 @@ def run_fused(
 ) -> list[ForwardBackwardOutput | EngineError]:
     """`TrainingBackend.forward_backward_many` over a backend's ``prepare(slot, adapter_id, inp)``
     (validates, raises the item's EngineError) and ``execute(jobs, grad=...)`` (one fused pass
-    of distinct adapters, all or nothing). Each slot gets its output or its own EngineError; a
-    compute failure fails every item of its pass (training items, or forward_only items).
-    Duplicate adapter ids raise ValueError."""
+    of distinct adapters, all or nothing: a failed pass leaves every adapter's gradient as it
+    was). Each slot gets its output or its own EngineError: when a fused pass fails, each of its
+    items runs again alone, so one tenant's failing loss (an index out of range on its values)
+    fails only its own item, and the others get what an unfused step gives. Duplicate adapter
+    ids raise ValueError."""
     seen: set[str] = set()
     for aid, _ in items:
         if aid in seen:
@@ -242,18 +244,33 @@ def run_fused(
         group = [j for j in jobs if j.req.forward_only != grad]
         if not group:
             continue
-        try:
-            execute(group, grad=grad)
-        except EngineError as e:
-            err: EngineError = e
-        except Exception as e:
-            log.exception("fused forward_backward failed")
-            err = BackendError(f"forward_backward failed: {type(e).__name__}: {e}")
-            err.__cause__ = e
-        else:
+        err = _execute(execute, group, grad)
+        if err is not None and len(group) > 1:
+            # Which item failed the pass is unknown (the error may be any item's, or the pass's
+            # size), so each runs alone, from fresh outputs and metrics.
+            log.info("fused pass of %d items failed (%s); running them one by one", len(group), err)
             for j in group:
-                results[j.slot] = j.result()
+                alone = AdapterPass(j.slot, j.adapter_id, j.req, [{} for _ in j.req.data])
+                e = _execute(execute, [alone], grad)
+                results[j.slot] = alone.result() if e is None else e
             continue
         for j in group:
-            results[j.slot] = err
+            results[j.slot] = j.result() if err is None else err
     return results  # type: ignore[return-value]
+
+
+def _execute(
+    execute: Callable[..., None], jobs: list[AdapterPass], grad: bool
+) -> EngineError | None:
+    """``execute(jobs, grad=grad)``; its failure as an EngineError (a compute failure: a
+    BackendError), or None."""
+    try:
+        execute(jobs, grad=grad)
+    except EngineError as e:
+        return e
+    except Exception as e:
+        log.exception("forward_backward failed")
+        err = BackendError(f"forward_backward failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+    return None

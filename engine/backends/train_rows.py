@@ -9,7 +9,7 @@ Both the built-in losses (engine/backends/train_batching.py) and traced custom l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,6 +20,7 @@ from engine.errors import UserInputError
 
 if TYPE_CHECKING:
     from engine.backends.custom_loss_graph import CompiledLoss
+    from engine.backends.custom_loss_run import LossBound, LossLimits
 
 
 @dataclass
@@ -43,6 +44,9 @@ class Request:
     disable_lora: bool
     #: the checked graph of a ``custom`` loss (engine/backends/custom_loss_graph.py), else None
     custom: CompiledLoss | None = None
+    #: a custom loss's budgets and each datum's checked bound (engine/backends/custom_loss_run.py)
+    custom_limits: LossLimits | None = None
+    custom_bounds: list[LossBound] = field(default_factory=list)
 
     @property
     def units(self) -> list[list[int]]:

@@ -76,6 +76,7 @@ class TransformersTrainingBackend(AdapterTable, TrainingBackend):
         max_image_pixels: int = 4096 * 4096,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        loss_limits: custom_loss.LossLimits | None = None,
     ) -> None:
         # eval mode: no dropout, results need no RNG; adapters (float32) go on the same device
         self.model = load_base_model(model_dir, dtype, device)
@@ -99,6 +100,8 @@ class TransformersTrainingBackend(AdapterTable, TrainingBackend):
         self.pad_id = int(pad if isinstance(pad, int) else (pad[0] if pad else 0))
         #: padded tokens per forward pass; larger inputs are split into micro-batches
         self.max_batch_tokens = int(max_batch_tokens)
+        #: budgets of a custom loss (engine/backends/custom_loss_run.py)
+        self.loss_limits = loss_limits or custom_loss.LossLimits()
         weight = emb.weight
         assert isinstance(weight, torch.Tensor)  # the embedding matrix (a Parameter)
         self.device = weight.device
@@ -136,13 +139,19 @@ class TransformersTrainingBackend(AdapterTable, TrainingBackend):
 
     def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> AdapterPass:
         self._get(adapter_id)
-        req = validate_request(inp, self.vocab_size, self.max_positions, self.vision)
+        req = self._validate(inp)
         return AdapterPass(slot, adapter_id, req, outputs=[{} for _ in req.data])
 
-    def validate_input(self, inp: ForwardBackwardInput) -> None:
+    def _validate(self, inp: ForwardBackwardInput):
+        return validate_request(
+            inp, self.vocab_size, self.max_positions, self.vision, self.loss_limits
+        )
+
+    def validate_input(self, inp: ForwardBackwardInput) -> list[int]:
         """Raise the UserInputError the request would fail with, without computing anything
-        (the Trainer checks a whole request before running it in slices)."""
-        validate_request(inp, self.vocab_size, self.max_positions, self.vision)
+        (the Trainer checks a whole request before running it in slices); each datum's loss
+        cost in tokens beyond its own (a custom loss's work and memory)."""
+        return custom_loss.extra_tokens(self._validate(inp))
 
     def _execute(self, jobs: list[AdapterPass], *, grad: bool) -> None:
         """Run ``jobs`` (distinct adapters) as padded micro-batches; with ``grad``, add each loss's

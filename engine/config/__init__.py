@@ -142,6 +142,54 @@ class ImageLimits(_Strict):
     )
 
 
+class CustomLossLimits(_Strict):
+    """Budgets of a server-side custom loss (``loss_fn="custom"``), checked per datum on its
+    shapes before anything of the loss is allocated or run (400 naming the node and the rule),
+    and charged to the tenant by the fair scheduler (engine/backends/custom_loss_run.py)."""
+
+    max_tensor_elements: int = Field(
+        default=1 << 24,
+        ge=1024,
+        description="Elements of any one tensor a loss step makes (16 M: a [T, T] pairwise "
+        "term at T = 4096 fits)",
+    )
+    max_live_bytes: int = Field(
+        default=1 << 30,
+        ge=1 << 20,
+        description="Bytes of one datum's loss intermediates held at once (forward-only: each "
+        "dropped after its last use; training: all of them, as autograd may keep each until "
+        "backward)",
+    )
+    max_work: int = Field(
+        default=1 << 30,
+        ge=1 << 20,
+        description="Element operations of one datum's loss (what each step reads and writes; "
+        "a sort n log n, a nuclear norm m·n·min(m, n)): about 1 s of one CPU core",
+    )
+    max_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="Wall time of one datum's loss, and of one request's shape checks",
+    )
+    max_checks: int = Field(
+        default=1 << 17,
+        ge=1024,
+        description="Node checks per request: graph nodes × distinct datum shapes",
+    )
+    work_per_token: int = Field(
+        default=4096,
+        ge=1,
+        description="Loss work charged as one token by the fair scheduler (on top of the "
+        "datum's tokens)",
+    )
+    bytes_per_token: int = Field(
+        default=16384,
+        ge=1,
+        description="Loss memory charged as one token by the fair scheduler (the larger of "
+        "work and memory is charged)",
+    )
+
+
 class ModelConfig(_Strict):
     name: str = Field(description="Base model name clients use (e.g. twinkle/tiny-chat)")
     path: str | None = Field(
@@ -201,6 +249,9 @@ class ModelConfig(_Strict):
     sampler: ReplicaConfig = Field(default_factory=ReplicaConfig)
     images: ImageLimits = Field(
         default_factory=ImageLimits, description="Caps on image inputs (vision-language models)"
+    )
+    custom_loss: CustomLossLimits = Field(
+        default_factory=CustomLossLimits, description="Budgets of server-side custom losses"
     )
 
     @model_validator(mode="before")

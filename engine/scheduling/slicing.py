@@ -9,6 +9,7 @@ each slice of a paired request carries the whole request's pair and chosen-token
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -34,11 +35,15 @@ def datum_tokens(inp: ForwardBackwardInput) -> list[int]:
 
 
 def slice_input(
-    inp: ForwardBackwardInput, slice_tokens: int
+    inp: ForwardBackwardInput, slice_tokens: int, extra: Sequence[int] | None = None
 ) -> list[tuple[ForwardBackwardInput, int]]:
     """Consecutive parts of at most ``slice_tokens`` tokens (a single longer datum, or pair, is
-    its own part). Returns (part, token cost) pairs; one part means no slicing."""
+    its own part). ``extra``: each datum's cost beyond its tokens (a custom loss's work and
+    memory, from `TrainingBackend.validate_input`), counted as tokens. Returns (part, token
+    cost) pairs; one part means no slicing."""
     sizes = datum_tokens(inp)
+    if extra is not None:
+        sizes = [n + int(e) for n, e in zip(sizes, extra, strict=True)]
     total = sum(sizes)
     if total <= slice_tokens or len(inp.data) <= 1 or inp.loss_fn in EMBEDDING_LOSS_FNS:
         return [(inp, total)]

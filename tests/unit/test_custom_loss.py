@@ -17,6 +17,7 @@ from tinker import types as ttypes
 from tinker.lib.public_interfaces.custom_loss import encode_graph, run_loss_handle, trace_loss
 
 from engine.backends.custom_loss_graph import MAX_NODES, compile_loss
+from engine.backends.custom_loss_run import CheckBudget, LossLimits, check_datum, run_loss
 from engine.backends.lora import adapter_parameters
 from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import UserInputError
@@ -302,8 +303,9 @@ def test_a_loss_handle_traced_by_the_sdk_compiles_with_every_op_it_records() -> 
     compiled = compile_loss(wire)
     lp = torch.randn(6)
     x = torch.randn(6)
-    from engine.backends.custom_loss_graph import run_loss
-
-    ours, _ = run_loss(compiled, lp, [x], "data[0]")
+    limits = LossLimits()
+    shapes = [((6,), torch.float32), ((6,), torch.float32)]
+    bound = check_datum(compiled, shapes, "data[0]", CheckBudget(limits), grad=True)
+    ours, _ = run_loss(compiled, lp, [x], "data[0]", bound, limits)
     theirs, _ = handle.graph(lp, x)
     assert float(ours) == pytest.approx(float(theirs), rel=1e-6)

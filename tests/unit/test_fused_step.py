@@ -15,6 +15,7 @@ from engine.backends.train_transformers import TransformersTrainingBackend
 from engine.errors import AdapterNotFoundError, BackendError, UserInputError
 from engine.protocol import (
     AdamParams,
+    CustomLossGraph,
     DatumInput,
     ForwardBackwardInput,
     ForwardBackwardOutput,
@@ -204,18 +205,20 @@ def test_compute_failure_fails_its_pass_and_keeps_pending_gradients(tiny_model_d
     before = {aid: snapshot(be, aid) for aid in RANKS}
     real, calls = be._logprobs, []
 
-    def flaky(rows):
+    def broken(rows):  # every training pass fails at its third micro-batch
         calls.append(len(rows))
-        if len(calls) == 3:
+        if torch.is_grad_enabled() and len(calls) >= 3:
             raise RuntimeError("simulated out of memory")
         return real(rows)
 
-    be._logprobs = flaky
+    be._logprobs = broken
     fo = request(rng, "cross_entropy")
     fo.forward_only = True
     items = [("a2", request(rng, "cross_entropy")), ("a4", request(rng, "ppo")), ("a8", fo)]
     results = be.forward_backward_many(items)
-    assert isinstance(results[0], BackendError) and results[0] is results[1]
+    # the fused pass failed, then each item alone: each gets its own error
+    assert isinstance(results[0], BackendError) and isinstance(results[1], BackendError)
+    assert results[0] is not results[1]
     assert "simulated out of memory" in str(results[0])
     assert isinstance(results[2], ForwardBackwardOutput)  # the forward_only pass ran on its own
     for aid, snap in before.items():
@@ -224,3 +227,68 @@ def test_compute_failure_fails_its_pass_and_keeps_pending_gradients(tiny_model_d
         calls.clear()
         be.forward_backward("a4", request(rng, "ppo", n_datums=12))
     assert_identical(before["a4"], snapshot(be, "a4"))
+
+
+def test_a_failed_fused_pass_runs_each_item_alone(tiny_model_dir: Path) -> None:
+    """A failure of the fused pass alone (here its size: it fails only with rows of two
+    adapters) does not fail the items: each gets the result of an unfused step."""
+    rng = np.random.default_rng(6)
+    be, ref = make_backend(tiny_model_dir), make_backend(tiny_model_dir)
+    real = be._logprobs
+
+    def too_big(rows):
+        if len(rows) > 4:
+            raise RuntimeError("simulated out of memory")
+        return real(rows)
+
+    be._logprobs = too_big
+    items = [("a2", request(rng, "cross_entropy")), ("a4", request(rng, "ppo"))]
+    results = be.forward_backward_many(items)
+    for (aid, inp), out in zip(items, results, strict=True):
+        assert isinstance(out, ForwardBackwardOutput), out
+        assert_same_output(out, ref.forward_backward(aid, inp))
+        assert_grads_close(grads(be, aid), grads(ref, aid), aid)
+
+
+def _indexing_loss() -> CustomLossGraph:
+    """sum(logprobs[(-1000 * logprobs).long()]): its shapes always fit, and an index of zeros
+    (logprobs of 0) is in range, but real logprobs (about -7) index far beyond the datum."""
+    ph = {"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}}
+    calls = [
+        ("m", "call_function", "operator.mul", [{"ref": "logprobs"}, -1000.0]),
+        ("i", "call_method", "long", [{"ref": "m"}]),
+        ("g", "call_function", "operator.getitem", [{"ref": "logprobs"}, {"ref": "i"}]),
+        ("s", "call_method", "sum", [{"ref": "g"}]),
+    ]
+    nodes = [{"op": op, "name": n, "target": t, "args": a, "kwargs": {}} for n, op, t, a in calls]
+    out = {"op": "output", "name": "output", "target": "output",
+           "args": [{"tuple": [{"ref": "s"}, {"dict": {}}]}], "kwargs": {}}  # fmt: skip
+    return CustomLossGraph("indexer", (("logprobs", 1),), (ph, *nodes, out))
+
+
+def test_one_tenants_failing_loss_does_not_fail_the_others_in_its_fused_pass(
+    tiny_model_dir: Path,
+) -> None:
+    rng = np.random.default_rng(7)
+    be, ref = make_backend(tiny_model_dir), make_backend(tiny_model_dir)
+    victim = request(rng, "cross_entropy")
+    n = 5
+    attack = ForwardBackwardInput(
+        data=[
+            DatumInput(
+                tokens=rng.integers(0, 2048, n).tolist(),
+                loss_fn_inputs={"target_tokens": rng.integers(0, 2048, n)},
+            )
+        ],
+        loss_fn="custom",
+        loss_fn_config={"loss_id": "x"},
+        custom_loss=_indexing_loss(),
+    )
+    before = snapshot(be, "a4")
+    results = be.forward_backward_many([("a2", victim), ("a4", attack)])
+    assert isinstance(results[1], UserInputError), results[1]
+    assert "custom loss 'indexer': data[0]: node 'g'" in str(results[1])
+    assert isinstance(results[0], ForwardBackwardOutput), results[0]
+    assert_same_output(results[0], ref.forward_backward("a2", victim))
+    assert_grads_close(grads(be, "a2"), grads(ref, "a2"), "a2")
+    assert_identical(before, snapshot(be, "a4"))  # no half-applied gradient on the attacker's

@@ -99,7 +99,10 @@ class MegatronTrainingBackend(TrainingBackend):
         recompute: str = "none",
         worker_num_cpus: float = 1.0,
         worker_num_gpus: float = 0.0,
+        loss_limits: Any = None,
     ) -> None:
+        """``loss_limits``: a custom loss's budgets (engine/backends/custom_loss_run.LossLimits;
+        None: its defaults)."""
         tp, pp = tensor_parallel, pipeline_parallel
         arch = read_arch(model_dir, tp=tp, pp=pp)  # config errors first, without megatron
         compat.require_megatron()
@@ -116,6 +119,7 @@ class MegatronTrainingBackend(TrainingBackend):
             "micro_batch_tokens": micro_batch_tokens,
             "params_dtype": params_dtype,
             "recompute": recompute,
+            "loss_limits": loss_limits,
         }
         self._local: MegatronWorker | None = None
         self._actors: list[Any] = []
@@ -217,8 +221,8 @@ class MegatronTrainingBackend(TrainingBackend):
     def adapter_spec(self, adapter_id: str) -> LoraSpec:
         return self._ranks("adapter_spec", lambda w: w.adapter_spec(adapter_id))
 
-    def validate_input(self, inp: ForwardBackwardInput) -> None:
-        self._ranks("validate_input", lambda w: w.validate_input(inp))
+    def validate_input(self, inp: ForwardBackwardInput) -> list[int]:
+        return self._ranks("validate_input", lambda w: w.validate_input(inp))
 
     def forward_backward(self, adapter_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
         return self._ranks("forward_backward", lambda w: w.forward_backward(adapter_id, inp))

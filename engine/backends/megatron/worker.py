@@ -89,8 +89,10 @@ class MegatronWorker(WorkerCheckpoints):
         micro_batch_tokens: int = 16384,
         params_dtype: str = "float32",
         recompute: str = "none",
+        loss_limits: custom_loss.LossLimits | None = None,
     ) -> None:
         compat.require_megatron()
+        self.loss_limits = loss_limits or custom_loss.LossLimits()
         self.arch = read_arch(model_dir, tp=tp, pp=pp)
         compat.init_parallel(
             tp, pp, rank=rank, world_size=tp * pp, master_addr=master_addr, master_port=master_port
@@ -142,18 +144,21 @@ class MegatronWorker(WorkerCheckpoints):
 
     # ------------------------------------------------------------------------------- passes
 
-    def validate_input(self, inp: ForwardBackwardInput) -> None:
-        req = validate_request(inp, self.vocab_size, self.max_positions)
+    def _validate(self, inp: ForwardBackwardInput):
+        req = validate_request(inp, self.vocab_size, self.max_positions, None, self.loss_limits)
         if req.loss.embedding:
             raise UserInputError(
                 "loss_fn: embedding losses (task='embedding') are not supported by the "
                 "Megatron backend; serve this model with backend 'transformers'"
             )
+        return req
+
+    def validate_input(self, inp: ForwardBackwardInput) -> list[int]:
+        return custom_loss.extra_tokens(self._validate(inp))
 
     def _prepare(self, slot: int, adapter_id: str, inp: ForwardBackwardInput) -> AdapterPass:
         self._get(adapter_id)
-        self.validate_input(inp)
-        req = validate_request(inp, self.vocab_size, self.max_positions)
+        req = self._validate(inp)
         return AdapterPass(slot, adapter_id, req, outputs=[{} for _ in req.data])
 
     def _execute(self, jobs: list[AdapterPass], *, grad: bool) -> None:
