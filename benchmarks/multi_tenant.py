@@ -456,9 +456,7 @@ def bench_model(
 ) -> list[Row]:
     path = model_dir(name)
     sync = make_sync(device)
-    backend = TransformersTrainingBackend(
-        str(path), max_lora_rank=RANK, device=device, dtype=dtype
-    )
+    backend = TransformersTrainingBackend(str(path), max_lora_rank=RANK, device=device, dtype=dtype)
     vocab = backend.vocab_size
     rows: list[Row] = []
     for tenants in tenants_list:

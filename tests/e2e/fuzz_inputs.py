@@ -5,16 +5,19 @@ Tinker protobuf bodies of forward / forward_backward, and the streaming sample r
 structurally valid messages with hostile contents (token ids out of range or negative, NaN / inf
 in float tensors, shapes that do not match their bytes, sparse tensors that declare terabytes,
 unknown dtypes, garbage images, unknown losses and configs, seq_ids at the int32 edges).
-`stream_bodies` yields JSON bodies for the OpenAI chat / completion streams and the native
-sample_stream. Everything is drawn from one seeded generator, so a failure replays."""
+Among them: sparse tensors each under the per-tensor cap that sum past the request budget
+(`SUMMED_SPARSE`, which must be a 413). `stream_bodies` yields JSON bodies for the OpenAI chat /
+completion streams and the native sample_stream; `hostile_losses`, custom losses built to allocate
+or to spin. Everything is drawn from one seeded generator, so a failure replays."""
 
 from __future__ import annotations
 
 import random
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
+import torch
 
 from gateway.tinker_api.wire_pb import pb
 
@@ -49,7 +52,7 @@ def _hostile(rng: random.Random, msg: pb.ForwardBackwardRequest) -> str:
     d = msg.data[0]
     lfi = d.loss_fn_inputs
     n = len(lfi["target_tokens"].dense) // 8
-    choice = rng.randrange(14)
+    choice = rng.randrange(15)
     if choice == 0:
         d.model_input[0].encoded_text.tokens = struct.pack("<3i", -1, VOCAB, 2**31 - 1)
         return "token ids out of range"
@@ -98,11 +101,69 @@ def _hostile(rng: random.Random, msg: pb.ForwardBackwardRequest) -> str:
         msg.loss_fn_config_v2["beta"].text = "\x00" * 100
         msg.loss_fn = "dro"
         return "text where a number belongs"
+    if choice == 13:
+        # each under the per-tensor cap (2**24 cells), together GiBs once dense: ~100 bytes each
+        for extra in range(rng.randint(6, 12)):
+            dd = msg.data.add() if extra else d
+            if extra:
+                dd.CopyFrom(_datum(rng, 3))
+            dd.loss_fn_inputs["weights"].CopyFrom(_sparse_cells(2**24 - rng.randrange(16)))
+        return SUMMED_SPARSE
     msg.model_id = rng.choice(["", "x" * 5000, "../../etc/passwd", "s:train:99999"])
     return "unknown model id"
 
 
+def _sparse_cells(cells: int) -> pb.Tensor:
+    sparse = pb.Tensor(dtype=pb.DTYPE_FLOAT32)
+    sparse.shape.extend([1, cells])
+    sparse.sparse_csr.crow_indices = np.array([0, 0], np.int64).tobytes()
+    return sparse
+
+
 SEQ_EDGE = "seq_id at the int32 edges"
+#: must be refused at the door (413), never expanded: the request's decoded size is summed
+SUMMED_SPARSE = "sparse tensors summed past the request budget"
+
+
+def _grow(rng: random.Random) -> tuple[str, Callable]:
+    """One step of a hostile loss: an operation whose output or work outgrows its input."""
+    k = rng.choice([1, 2, 3, 40])
+    steps: list[tuple[str, Callable]] = [
+        ("outer", lambda t: t.reshape(-1, 1) * t.reshape(1, -1)),
+        ("index_select", lambda t: torch.index_select(t.reshape(1, -1), 0, t.long().abs())),
+        ("take rows", lambda t: t.reshape(1, -1)[t.long().abs()]),
+        ("nuc norm", lambda t: torch.norm(t.reshape(-1, 1) * t.reshape(1, -1), p="nuc")),
+        (f"x{k} chain", lambda t: _chain(t, k)),
+        (f"cat x{k}", lambda t: torch.cat([t] * k)),
+        ("sort", lambda t: torch.sort(t.reshape(-1)).values),
+        ("cumsum", lambda t: torch.cumsum(t.reshape(-1), 0)),
+    ]
+    return rng.choice(steps)
+
+
+def _chain(t, k: int):
+    for _ in range(k):
+        t = t * 1.0001
+    return t
+
+
+def hostile_losses(seed: int, count: int) -> Iterator[tuple[str, Callable, np.ndarray]]:
+    """(what, loss function, its ``x`` input): losses built from steps that allocate or spin
+    (outer products, K x K selections, nuclear norms, long chains, joins), over ``x`` of 16 to
+    65,536 elements. Small ones may run; large ones must be refused fast, naming their node."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        picked = [_grow(rng) for _ in range(rng.randint(1, 3))]
+        n = rng.choice([16, 256, 2048, 16384, 65536])
+        x = np.zeros(n, np.float32) if rng.random() < 0.5 else np.ones(n, np.float32)
+
+        def loss(logprobs, x, _steps=tuple(f for _, f in picked)):
+            t = x
+            for step in _steps:
+                t = step(t)
+            return t.sum() + 0 * logprobs.sum(), {}
+
+        yield f"{' -> '.join(w for w, _ in picked)} over {n}", loss, x
 
 
 def proto_bodies(

@@ -2,8 +2,9 @@
 
 Two gateway replicas sharing a real Redis, a fresh database on a real Postgres, JWT mode for the
 Tinker SDK, per-user default quotas, and the tiny chat (fused execution) and vision-language
-models (small image caps). The cookbook's ``modelscope/`` scripts (tests/e2e/test_cookbook_hosted.py), the image tests
-(tests/e2e/test_vision_e2e.py) and the API fuzz (tests/e2e/test_fuzz_api.py) share one start of it.
+models (small image caps). The cookbook's ``modelscope/`` scripts
+(tests/e2e/test_cookbook_hosted.py), the image tests (tests/e2e/test_vision_e2e.py), the
+hostile-tenant test and the API and quota-path fuzz share one start of it.
 """
 
 from __future__ import annotations

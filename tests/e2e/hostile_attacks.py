@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 import tinker
+import torch
 from tinker import types
 
 from gateway.tinker_api.wire_pb import pb
@@ -291,8 +292,79 @@ def unpublished_weights_stop_sampling(a: Arena) -> None:
     owner.close("success").result()
 
 
+def _kk_index_select(logprobs, x):
+    """[1, K] rows picked by K indices: K x K elements from a K-element input."""
+    return torch.index_select(x.reshape(1, -1), 0, x.long()).sum(), {}
+
+
+def _nuclear_norm(logprobs, x):
+    """An SVD of x's outer product: ~m n min(m, n) work for a 1-token datum."""
+    return torch.norm(x.reshape(-1, 1) * x.reshape(1, -1), p="nuc"), {}
+
+
+def _chain(logprobs, x):
+    """Forty chained copies of an outer product, each kept for backward."""
+    o = x.reshape(-1, 1) * x.reshape(1, -1)
+    for _ in range(40):
+        o = o * 1.0001
+    return o.sum(), {}
+
+
+def _poison(logprobs, x):
+    """Fine on zeros (what a shape check sees), out of range on real log-probs."""
+    return logprobs[(-1000 * logprobs).long()].sum() + 0 * x.sum(), {}
+
+
+def _custom_datum(x: np.ndarray) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8], "x": types.TensorData.from_numpy(x)},
+    )
+
+
+def custom_losses_built_to_allocate_or_spin(a: Arena) -> None:
+    """Each is refused by the shape check in seconds, naming its node, before it allocates."""
+    service = tinker.ServiceClient(base_url=a.url, api_key=a.attacker)
+    tc = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    cases = [
+        (_kk_index_select, np.zeros(16384, np.float32)),  # 1 GiB of float32 once selected
+        (_nuclear_norm, np.ones(2048, np.float32)),  # ~16 s of one core unchecked
+        (_chain, np.ones(4096, np.float32)),  # 40 x 64 MiB
+    ]
+    for fn, x in cases:
+        handle = service.create_custom_loss(fn, {"logprobs": 1, "x": 1}).result()
+        t0 = time.monotonic()
+        try:
+            tc.forward_backward_custom([_custom_datum(x)], handle).result()
+        except Exception as exc:
+            assert "node" in str(exc), (fn.__name__, exc)
+        else:
+            raise AssertionError(f"{fn.__name__} ran")
+        assert time.monotonic() - t0 < 30, (fn.__name__, time.monotonic() - t0)
+    service.close("success").result()
+
+
+def a_failing_loss_in_a_fused_pass_stays_its_own(a: Arena) -> None:
+    """A loss that passes the shape check and fails on real values, sent while the honest
+    tenants train (so it is fused with their steps): the attacker gets its own error each time;
+    the honest steps, watched by the test, all succeed."""
+    service = tinker.ServiceClient(base_url=a.url, api_key=a.attacker)
+    tc = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    handle = service.create_custom_loss(_poison, {"logprobs": 1, "x": 1}).result()
+    for _ in range(4):
+        try:
+            tc.forward_backward_custom([_custom_datum(np.zeros(3, np.float32))], handle).result()
+        except Exception as exc:
+            assert "index" in str(exc).lower() or "node" in str(exc), exc
+        else:
+            raise AssertionError("an out-of-range index on real values succeeded")
+    service.close("success").result()
+
+
 ATTACKS: list[Callable[[Arena], None]] = [
     sparse_tensors_summed_per_request,
+    custom_losses_built_to_allocate_or_spin,
+    a_failing_loss_in_a_fused_pass_stays_its_own,
     finished_sessions_release_their_adapters,
     ephemeral_sampler_saves_are_bounded,
     a_jwt_cannot_mint_its_successor,

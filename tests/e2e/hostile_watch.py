@@ -9,6 +9,7 @@ every worker; shared pages counted in each process, so only its changes mean any
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -71,7 +72,9 @@ class Honest:
                 self._step()
                 self.steps.append(Step(phase, time.monotonic() - t0))
             except Exception as exc:  # recorded: the test asserts there are none
-                self.steps.append(Step(phase, time.monotonic() - t0, f"{type(exc).__name__}: {exc}"))
+                self.steps.append(
+                    Step(phase, time.monotonic() - t0, f"{type(exc).__name__}: {exc}")
+                )
 
     def steps_in(self, phase: str) -> list[Step]:
         return [s for s in self.steps if s.phase == phase]
@@ -108,10 +111,8 @@ class Watch:
         root = psutil.Process(self.pid)
         total = 0
         for proc in [root, *root.children(recursive=True)]:
-            try:
+            with contextlib.suppress(psutil.Error):  # exited between the listing and the read
                 total += proc.memory_info().rss
-            except psutil.Error:  # exited between the listing and the read
-                pass
         return total
 
     def _loop(self) -> None:

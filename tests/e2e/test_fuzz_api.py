@@ -1,7 +1,8 @@
 """The whole HTTP API fuzzed against a real `twinkle serve` (the pool's ``hosted`` profile: its
 engine, on Postgres, behind two gateway replicas; quotas lifted for the fuzz users): schemathesis
 over /openapi.json (coverage, fuzzing and stateful phases) as a user and as an admin, so every
-operation is reached past auth; then our own generator over the protobuf and streaming routes.
+operation is reached past auth; then our own generator over the protobuf and streaming routes,
+and seeded custom losses built to allocate or to spin (tests/e2e/fuzz_inputs.py).
 No 5xx, no response slower than the request timeout, and the server healthy afterwards.
 
 Budgets: ``TWINKLE_FUZZ_SECONDS`` per schemathesis run (default 45, CI's), ``TWINKLE_FUZZ_COUNT``
@@ -31,7 +32,13 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.fuzz_inputs import SEQ_EDGE, proto_bodies, stream_bodies
+from tests.e2e.fuzz_inputs import (
+    SEQ_EDGE,
+    SUMMED_SPARSE,
+    hostile_losses,
+    proto_bodies,
+    stream_bodies,
+)
 from tests.e2e.hosted_profile import set_quotas
 
 pytestmark = pytest.mark.e2e
@@ -167,6 +174,8 @@ def test_protobuf_and_streaming_routes_survive_hostile_bodies(fuzz_server) -> No
             r = http.post(route, content=payload, headers=headers)
             seen[what] = seen.get(what, 0) + 1
             assert r.status_code < 500, (what, r.status_code, r.text)
+            if what == SUMMED_SPARSE:
+                assert r.status_code == 413, (what, r.status_code, r.text)
             if r.status_code in (200, 413) and what != SEQ_EDGE:
                 expected_seq += 1  # a 413 over a size limit passes its seq_id in order too
             if r.status_code == 200 and what != SEQ_EDGE:
@@ -184,6 +193,43 @@ def test_protobuf_and_streaming_routes_survive_hostile_bodies(fuzz_server) -> No
     assert reached_engine >= 5  # the hostile-contents cases did get past the gateway
     sc.close("success")
     _healthy(fuzz_server)
+
+
+def test_custom_losses_built_to_allocate_or_spin_are_bounded(fuzz_server) -> None:
+    """Seeded losses chaining outer products, K x K selections, nuclear norms, long chains and
+    joins over inputs of up to 65,536 elements: each runs or is refused as the user's error,
+    within `LOSS_DEADLINE_S`, and the server stays healthy."""
+    key = _fuzz_key(fuzz_server, "fuzz-losses")
+    sc = tinker.ServiceClient(base_url=fuzz_server.url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+    outcomes: dict[str, int] = {}
+    for what, fn, x in hostile_losses(SEED, max(8, COUNT // 10)):
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8], "x": types.TensorData.from_numpy(x)},
+        )
+        start = time.monotonic()
+        try:
+            handle = sc.create_custom_loss(fn, {"logprobs": 1, "x": 1}).result()
+            tc.forward_backward_custom([datum], handle).result()
+            outcome = "ran"
+        except tinker.APIStatusError as exc:
+            assert exc.status_code < 500, (what, exc)
+            outcome = f"refused {exc.status_code}"
+        except Exception as exc:  # a failed future: the SDK raises the user's error
+            assert "node" in str(exc) or "index" in str(exc).lower(), (what, exc)
+            outcome = "failed as the user's"
+        wall = time.monotonic() - start
+        assert wall < LOSS_DEADLINE_S, (what, outcome, wall)
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        print(f"{what}: {outcome} in {wall:.1f} s")
+    print(f"hostile losses: {outcomes}")
+    sc.close("success")
+    _healthy(fuzz_server)
+
+
+#: a loss the shape check refuses answers in well under a second; one that runs is small
+LOSS_DEADLINE_S = 30
 
 
 def _settles(http: httpx.Client, key: str, request_id: str, what: str) -> None:

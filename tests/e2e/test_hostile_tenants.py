@@ -15,9 +15,9 @@ import time
 
 import pytest
 
+from tests.e2e.hosted_profile import set_quotas
 from tests.e2e.hostile_attacks import ATTACKS, Arena
 from tests.e2e.hostile_watch import Honest, Watch, median_seconds
-from tests.e2e.hosted_profile import set_quotas
 
 pytestmark = pytest.mark.e2e
 #: steps each honest tenant runs undisturbed first, and at least during each attack
@@ -31,7 +31,9 @@ def arena(pool, start_hosted):
     attacker = srv.create_key("mallory")
     set_quotas(srv, "mallory", max_training_clients=2, max_checkpoints=3)
     honest = [srv.create_key(f"honest-{i}") for i in range(2)]
-    return srv, Arena(srv.url, str(srv.data_dir), attacker, srv.create_key("ops", admin=True), honest)
+    return srv, Arena(
+        srv.url, str(srv.data_dir), attacker, srv.create_key("ops", admin=True), honest
+    )
 
 
 def test_a_hostile_tenant_cannot_hurt_honest_ones(arena) -> None:
