@@ -270,6 +270,8 @@ def _node_fields(graph: str, k: int, node: Any) -> tuple[str, str, str]:
 def _step(
     graph: str, where: str, node: str, op: str, target: str, args: list, kwargs: dict
 ) -> _Step:
+    # torch.fx records a function's defaults too: torch.norm's ``out=None`` writes nothing
+    kwargs = {k: v for k, v in kwargs.items() if not (k in ops.FORBIDDEN_KWARGS and v is None)}
     bad = sorted(set(kwargs) & ops.FORBIDDEN_KWARGS)
     if bad:
         raise _fail(graph, where, f"keyword {bad[0]!r} is not allowed (no writes into tensors)")

@@ -208,6 +208,12 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     **ARITHMETIC,
     "operator.getitem": operator.getitem,
     **{f"torch.{n}": getattr(torch, n) for n in _TORCH_NAMES},
+    # the SDK names a function where torch defines it: torch.norm is torch.functional.norm
+    **{
+        f"torch.functional.{n}": getattr(torch, n)
+        for n in _TORCH_NAMES
+        if getattr(torch.functional, n, None) is getattr(torch, n)
+    },
     **_FUNCTIONAL,
     **_MATH,
 }

@@ -26,7 +26,13 @@ META = torch.device("meta")
 
 #: a step's name without its namespace: ``torch.exp``, ``exp`` (method) and ``operator.neg``
 #: name one operation each
-_PREFIXES = ("torch.nn.functional.", "torch._C._nn.", "torch.", "operator.")
+_PREFIXES = (
+    "torch.nn.functional.",
+    "torch._C._nn.",
+    "torch.functional.",
+    "torch.",
+    "operator.",
+)
 
 
 def op_name(target: str) -> str:

@@ -135,7 +135,7 @@ def _grow(rng: random.Random) -> tuple[str, Callable]:
         ("nuc norm", lambda t: torch.norm(t.reshape(-1, 1) * t.reshape(1, -1), p="nuc")),
         (f"x{k} chain", lambda t: _chain(t, k)),
         (f"cat x{k}", lambda t: torch.cat([t] * k)),
-        ("sort", lambda t: torch.sort(t.reshape(-1)).values),
+        ("sort", lambda t: torch.sort(t.reshape(-1))[0]),
         ("cumsum", lambda t: torch.cumsum(t.reshape(-1), 0)),
     ]
     return rng.choice(steps)
@@ -157,13 +157,20 @@ def hostile_losses(seed: int, count: int) -> Iterator[tuple[str, Callable, np.nd
         n = rng.choice([16, 256, 2048, 16384, 65536])
         x = np.zeros(n, np.float32) if rng.random() < 0.5 else np.ones(n, np.float32)
 
-        def loss(logprobs, x, _steps=tuple(f for _, f in picked)):
-            t = x
-            for step in _steps:
-                t = step(t)
-            return t.sum() + 0 * logprobs.sum(), {}
+        yield f"{' -> '.join(w for w, _ in picked)} over {n}", _loss([f for _, f in picked]), x
 
-        yield f"{' -> '.join(w for w, _ in picked)} over {n}", loss, x
+
+def _loss(steps: list[Callable]) -> Callable:
+    """A loss applying ``steps`` to its input ``x`` (every parameter after logprobs must name a
+    loss input, so the steps are closed over, not defaulted)."""
+
+    def loss(logprobs, x):
+        t = x
+        for step in steps:
+            t = step(t)
+        return t.sum() + 0 * logprobs.sum(), {}
+
+    return loss
 
 
 def proto_bodies(

@@ -309,3 +309,22 @@ def test_a_loss_handle_traced_by_the_sdk_compiles_with_every_op_it_records() -> 
     ours, _ = run_loss(compiled, lp, [x], "data[0]", bound, limits)
     theirs, _ = handle.graph(lp, x)
     assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+
+
+def test_functions_the_sdk_names_where_torch_defines_them_compile() -> None:
+    """``torch.norm`` is traced as ``torch.functional.norm``, with its ``out=None`` default
+    recorded: it is the allowed torch.norm, and a None ``out`` writes nothing."""
+
+    def norms(logprobs, x):
+        return torch.norm(logprobs) + torch.norm(x.reshape(2, -1), p="fro"), {}
+
+    handle, wire = _handle(norms, {"logprobs": 1, "x": 1})
+    assert any(n["target"] == "torch.functional.norm" for n in wire.nodes)
+    compiled = compile_loss(wire)
+    lp, x = torch.randn(6), torch.randn(6)
+    limits = LossLimits()
+    shapes = [((6,), torch.float32), ((6,), torch.float32)]
+    bound = check_datum(compiled, shapes, "data[0]", CheckBudget(limits), grad=True)
+    ours, _ = run_loss(compiled, lp, [x], "data[0]", bound, limits)
+    theirs, _ = handle.graph(lp, x)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
