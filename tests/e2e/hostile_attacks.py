@@ -119,7 +119,9 @@ def native_loads_past_the_training_client_cap(a: Arena) -> None:
         ]
         assert codes[0] == 200 and set(codes[1:]) == {403}, codes
         runs = http.get("/api/v1/twinkle/training_runs", headers=h).json()["training_runs"]
-        assert len(runs) <= 2, runs
+        mine = [r["training_run_id"] for r in runs]
+        mine = [r for r in mine if r.startswith(h["X-Twinkle-Session-Id"] + ":")]
+        assert len(mine) == 2, mine  # "a" and x0: the refused loads left no run behind
 
 
 def _attacker_adapters(a: Arena, model_ids: set[str]) -> set[str]:
@@ -256,13 +258,13 @@ def hostile_names_and_fanout(a: Arena) -> None:
         "sampling_params": {"max_tokens": 4, "num_samples": 64},
     }
     with a.http() as http:
-        r = http.post(
-            f"/api/v1/sampler/{BASE}/twinkle/sample",
-            json=body,
-            headers={"Authorization": f"Bearer {a.attacker}"},
-        )
+        h = {"Authorization": f"Bearer {a.attacker}"}
+        r = http.post("/api/v1/twinkle/create_session", json={}, headers=h)
+        assert r.status_code == 200, r.text
+        h["X-Twinkle-Session-Id"] = r.json()["session_id"]
+        r = http.post(f"/api/v1/sampler/{BASE}/twinkle/sample", json=body, headers=h)
         assert r.status_code == 413, r.text
-        models = http.get("/v1/models", headers={"Authorization": f"Bearer {a.attacker}"})
+        models = http.get("/v1/models", headers=h)
     assert models.status_code == 200, models.text
     for name in ("honest-0", "honest-1"):
         assert name not in models.text, models.text
