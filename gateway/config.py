@@ -137,6 +137,19 @@ class GatewayConfig(_Strict):
         "kept per user; recording a newer one deletes the oldest (its sampling session then "
         "answers 404). Named saves are under max_checkpoints instead",
     )
+    max_live_sessions_per_user: int = Field(
+        default=512,
+        ge=1,
+        description="Sessions (a Tinker ServiceClient, a native twinkle_client session) one user "
+        "may have open at once; one more is a 403. A session ends when it is closed or expires "
+        "(no heartbeat for session_timeout_seconds)",
+    )
+    max_sampling_sessions_per_session: int = Field(
+        default=1024,
+        ge=1,
+        description="Tinker sampling sessions (create_sampling_session) one session may create; "
+        "one more is a 403",
+    )
     max_custom_losses: int = Field(
         default=256,
         ge=1,

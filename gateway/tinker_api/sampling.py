@@ -25,6 +25,7 @@ from gateway.tinker_api.schemas import (
 from gateway.tinker_api.sequenced import Prepared, Run, submit_once
 from gateway.training import metering
 from gateway.training.sampling import sampling_params
+from gateway.training.sessions import check_sampling_room
 
 router = APIRouter(prefix="/api/v1")
 DEFAULT_MAX_TOKENS = 128
@@ -73,6 +74,7 @@ async def create_sampling_session(
     base, adapter_dir, path = _resolve_target(db, who, config, req.base_model, req.model_path)
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}"
     if db.get(SamplingSessionRow, sampler_id) is None:
+        check_sampling_room(db, session, config)
         db.add(
             SamplingSessionRow(
                 id=sampler_id,

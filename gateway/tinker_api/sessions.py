@@ -4,7 +4,6 @@ telemetry, health and capabilities."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -32,6 +31,7 @@ from gateway.tinker_api.schemas import (
     returns,
 )
 from gateway.training import queries
+from gateway.training.sessions import open_session
 
 router = APIRouter(prefix="/api/v1")
 
@@ -76,9 +76,10 @@ async def create_session(
     req: CreateSessionRequest, request: Request, who: PrincipalDep, db: DbDep, config: ConfigDep
 ) -> dict:
     """Open a session (a ServiceClient); deprecated SDKs get a warning in the answer."""
-    row = SessionRow(
-        id=f"sess-{uuid.uuid4().hex[:16]}",
-        user_id=who.user_id,
+    row = open_session(
+        db,
+        who,
+        config,
         # informational, and the column holds 32 characters (Postgres enforces it)
         sdk_version=req.sdk_version[:32] if req.sdk_version else None,
         tags=req.tags,
@@ -86,8 +87,6 @@ async def create_session(
         project_id=req.project_id,
         display_name=req.display_name,
     )
-    db.add(row)
-    db.commit()
     out = {"session_id": row.id, "type": "create_session"}
     # The SDK logs these at warning / error level: the deprecation channel it shows users.
     version = sdk_version(request.headers) or parse_version(req.sdk_version)

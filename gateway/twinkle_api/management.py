@@ -9,13 +9,12 @@ both clients see one list); checkpoint paths are returned in both spellings
 from __future__ import annotations
 
 import mimetypes
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import Response
 
-from gateway.db.tables import SessionRow, utcnow
+from gateway.db.tables import utcnow
 from gateway.deps import (
     DB_INT_MAX,
     ConfigDep,
@@ -28,6 +27,7 @@ from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.quotas import QuotasDep
 from gateway.runs.checkpoints import delete_checkpoint, readable_checkpoint
 from gateway.training import queries
+from gateway.training.sessions import open_session
 from gateway.twinkle_api.schemas import CreateSessionRequest, HeartbeatRequest
 
 router = APIRouter(prefix="/api/v1/twinkle")
@@ -46,18 +46,19 @@ def _with_twinkle_paths(obj: Any) -> Any:
 
 
 @router.post("/create_session")
-async def create_session(req: CreateSessionRequest, who: PrincipalDep, db: DbDep) -> dict:
-    row = SessionRow(
-        id=f"sess-{uuid.uuid4().hex[:16]}",
-        user_id=who.user_id,
+async def create_session(
+    req: CreateSessionRequest, who: PrincipalDep, db: DbDep, config: ConfigDep
+) -> dict:
+    row = open_session(
+        db,
+        who,
+        config,
         # the column holds 32 characters (Postgres enforces it; the prefix takes 15): the rest of
         # a long version string is informational only
         sdk_version=f"twinkle_client/{req.client_version}"[:32] if req.client_version else None,
         tags=req.tags,
         user_metadata=req.metadata or {},
     )
-    db.add(row)
-    db.commit()
     return {"session_id": row.id}
 
 

@@ -300,3 +300,35 @@ def test_stored_rows_are_bounded_and_pruned(make_gateway):
     rows = _db_rows(gw, RequestTraceRow)
     assert len(rows) == 3, [(r.kind, r.target) for r in rows]
     assert {r.kind for r in rows} == {"forward_backward"}  # the newest kept
+
+
+def test_live_sessions_and_sampling_sessions_are_capped(make_gateway):
+    """A tenant looping on create_session (Tinker or native) stops at
+    gateway.max_live_sessions_per_user live sessions (403 naming it) until one ends; a session's
+    sampling sessions stop at gateway.max_sampling_sessions_per_session."""
+    from tests.gateway.harness import session
+
+    gw = make_gateway(
+        gateway={"max_live_sessions_per_user": 3, "max_sampling_sessions_per_session": 2}
+    )
+    key = gw.key("erin")
+    c, h = gw.client, {"X-API-Key": key}
+    sids = [session(c, key) for _ in range(2)]
+    r = c.post("/api/v1/twinkle/create_session", json={}, headers=h)
+    assert r.status_code == 200, r.text  # the third live one: native counts too
+    for route in ("/api/v1/create_session", "/api/v1/twinkle/create_session"):
+        r = c.post(route, json={}, headers=h)
+        assert r.status_code == 403, r.text
+        assert r.json()["quota"]["name"] == "max_live_sessions_per_user", r.text
+    assert c.post(f"/api/v1/sessions/{sids[0]}/finish", json={}, headers=h).status_code == 200
+    assert c.post("/api/v1/create_session", json={}, headers=h).status_code == 200
+    assert session(gw.client, gw.key("frank"))  # another user's sessions are their own
+
+    def sampling(seq: int):
+        body = {"session_id": sids[1], "sampling_session_seq_id": seq, "base_model": BASE}
+        return c.post("/api/v1/create_sampling_session", json=body, headers=h)
+
+    assert sampling(0).status_code == 200 and sampling(1).status_code == 200
+    r = sampling(2)
+    assert r.status_code == 403 and "max_sampling_sessions_per_session" in r.text, r.text
+    assert sampling(0).status_code == 200  # an existing one is no new row
