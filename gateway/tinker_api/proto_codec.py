@@ -24,7 +24,7 @@ from engine.protocol import (
     SampleOutput,
     TopkLogprobs,
 )
-from engine.rules import EMBEDDING_LOSS_FNS, REFUSED_LOSS_FNS
+from engine.rules import EMBEDDING_LOSS_FNS
 from gateway.errors import InvalidRequestError, PayloadTooLargeError
 from gateway.tinker_api.wire_pb import pb
 
@@ -225,10 +225,6 @@ def decode_forward_backward(
             f"loss_fn: {loss_fn!r} is not a Tinker loss; embedding training is available through "
             "the Twinkle native API only (set_loss('InfonceLoss'), forward_backward(task="
             "'embedding'))"
-        )
-    if loss_fn in REFUSED_LOSS_FNS:
-        raise InvalidRequestError(
-            f"loss_fn: {loss_fn!r} is not offered: {REFUSED_LOSS_FNS[loss_fn]}"
         )
     inp = ForwardBackwardInput(
         data=data,
