@@ -46,7 +46,7 @@ _TOKEN_BYTES = 8
 DECODED_BUDGET_KEY = "gateway.max_decoded_request_mb"
 
 
-def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
+def decode_tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise InvalidRequestError(f"{where}.dtype: unsupported dtype {msg.dtype}")
@@ -213,7 +213,7 @@ def decode_forward_backward(
     for i, d in enumerate(msg.data):
         tokens, images = model_input_chunks(d.model_input, f"data[{i}].model_input")
         inputs = {
-            name: _tensor(t, f"data[{i}].loss_fn_inputs.{name}")
+            name: decode_tensor(t, f"data[{i}].loss_fn_inputs.{name}")
             for name, t in d.loss_fn_inputs.items()
             if keep is None or name in keep
         }

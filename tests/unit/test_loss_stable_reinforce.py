@@ -135,7 +135,7 @@ def test_matches_float64_reference_and_masks(be, refs, rng, cfg) -> None:
         expect[aid] = (lps, *_reference(data, lps, full))
     results = be.forward_backward_many(items)
     clear(be)
-    for (aid, inp), out in zip(items, results, strict=True):
+    for (aid, _), out in zip(items, results, strict=True):
         assert isinstance(out, ForwardBackwardOutput), out
         lps, per, metrics = expect[aid]
         for i, (o, lp) in enumerate(zip(out.outputs, lps, strict=True)):
