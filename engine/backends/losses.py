@@ -411,8 +411,9 @@ def request_loss(
         for i, lp, x in zip(idx, lps, tensors, strict=True):
             if not spec.top_k:
                 lp, x["weights"] = lp[:, 0], x["weights"][:, 0]
-            if spec.per_token_metrics is not None:
-                per, partial = spec.per_token_metrics(lp, x, cfg)
+            with_metrics = spec.per_token_metrics
+            if with_metrics is not None:
+                per, partial = with_metrics(lp, x, cfg)
                 for name, (total, count) in partial.items():
                     metrics.add(name, total, count)
             else:

@@ -60,7 +60,7 @@ def record(
     with Session(bind) as db:
         db.add_all(rows)
         db.commit()
-        mine = StabilityRecordRow.session_id == session_id
+        mine = col(StabilityRecordRow.session_id) == session_id
         count = db.exec(select(func.count()).select_from(StabilityRecordRow).where(mine)).one()
         if count > cap:
             # the id of the newest record not kept; it and every older one go

@@ -207,7 +207,7 @@ async def _sample_run(
     session_id = req.sampling_session_id.split(":")[0] if req.sampling_session_id else None
     async with metering.admitted(t, session_id) as adm:
         await adm.meter(base, n_prompt, inp.params.max_tokens * inp.num_samples, inp.num_samples)
-    engine, bind = t.engine, t.db.get_bind()
+    engine, bind = t.engine, t.services.db_engine
     # a sampling session sticks to one Sampler replica (its adapter stays cached there)
     affinity = req.sampling_session_id or adapter_dir
 

@@ -21,6 +21,7 @@ from tinker.proto.response_conv import (
 )
 
 from gateway.db.tables import StabilityRecordRow, utcnow
+from gateway.runs.stability_records import prune_expired
 from tests.gateway import harness
 from tests.gateway.tinker_rest import model, result, session
 
@@ -271,6 +272,11 @@ def test_expired_sequence_is_refused(gw) -> None:
         db.commit()
     out = _fb(client, model_id, 1, [_datum(seqs[0], ids[0])])
     assert f"sequence_id: {ids[0]!r} has expired" in out["error"], out
+    with _db(gw) as db:  # the sweep's pruning deletes it
+        prune_expired(db)
+        assert not db.exec(
+            select(StabilityRecordRow).where(StabilityRecordRow.sequence_id == ids[0])
+        ).all()
 
 
 def test_records_are_capped_per_session_and_go_with_it(gw) -> None:
