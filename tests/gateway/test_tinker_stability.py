@@ -352,3 +352,18 @@ def test_json_wire_carries_the_spans(gw, rl) -> None:
     )
     assert fut.status_code == 400, fut.text
     assert "data[0].model_input_spans[0]: must hold exactly one of" in fut.text
+
+
+def test_recording_needs_a_sampling_session(gw) -> None:
+    """A sample straight from a base model belongs to no client session: 400 naming the flag."""
+    r = gw.client.post(
+        "/api/v1/asample",
+        json={
+            "base_model": harness.BASE,
+            "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+            "sampling_params": {"max_tokens": 2},
+            "record_stability_info": True,
+        },
+    )
+    assert r.status_code == 400 and "record_stability_info: needs a sampling_session_id" in r.text
