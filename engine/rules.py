@@ -3,7 +3,8 @@ module (no torch) to apply them before the engine does.
 
 Owns: the LoRA target groups and how a peft-style LoRA config maps onto a `LoraSpec` (the gateway
 meters and records the spec before the Trainer builds the adapter); the loss names the engine
-treats specially (embedding losses, refused Tinker losses, the custom loss and its graph bounds);
+treats specially (embedding losses, the loss that reads recorded stability info, the custom loss
+and its graph bounds);
 how native-API models and their adapter runs are named, and what a Trainer call about a model
 is routed by (the gateway routes by these names; the Trainer's native-model host,
 engine/native/host.py, uses them). The types these rules speak about are in `engine.protocol`.
@@ -151,16 +152,13 @@ def spec_target_modules(spec: LoraSpec) -> list[str]:
 #: Tinker's routes; a request of one is never sliced (the loss couples all of its rows).
 EMBEDDING_LOSS_FNS = ("infonce",)
 
-#: Tinker loss names we refuse (a 400 at submission, naming ``loss_fn``), with what to do instead
-REFUSED_LOSS_FNS = {
-    "stable_reinforce": (
-        "Tinker has not published this loss's objective (it reads stability info that its "
-        "sampler records, in an undocumented form), so no other server can compute the same "
-        "loss; train with 'ppo' (clipped, stable on off-policy data), 'cispo' or 'gspo' "
-        "instead (tinker-cookbook: loss_fn=ppo)"
-    ),
-}
-
+#: the loss that reads what the sampler recorded (``record_stability_info``): the gateway resolves
+#: a datum's provenance spans into these two ``loss_fn_inputs`` before the engine sees it, so the
+#: engine needs no access to the records: per target position, the sampler's own logprob of the
+#: sampled token (0 elsewhere) and 1 where the position is a sampled token (0 elsewhere). Any
+#: values a client sends under these names are replaced.
+STABLE_REINFORCE = "stable_reinforce"
+RECORDED_LOGPROBS, RECORDED_MASK = "recorded_logprobs", "recorded_mask"
 
 #: the loss name of a server-side custom loss (Tinker's ``loss_fn="custom"``)
 CUSTOM_LOSS_FN = "custom"
@@ -178,6 +176,7 @@ LOSS_FN_INPUTS: dict[str, frozenset[str]] = {
     "cispo": _POLICY,
     "dro": _POLICY,
     "gspo": _POLICY | {"sequence_ratio_mask"},
+    STABLE_REINFORCE: frozenset({"target_tokens", "advantages", RECORDED_LOGPROBS, RECORDED_MASK}),
     "dpo": frozenset({"target_tokens", "weights", "ref_logprobs"}),
     "infonce": frozenset({"anchor"}),
 }

@@ -166,6 +166,20 @@ class GatewayConfig(_Strict):
         ge=1,
         description="Session trace rows kept per user, the newest (the sweep deletes the rest)",
     )
+    stability_ttl_seconds: float = Field(
+        default=86400.0,
+        gt=0,
+        description="How long a sequence sampled with record_stability_info stays usable by "
+        "stable_reinforce training requests; each training request that names it restarts the "
+        "period (Tinker's one day). The sweep deletes expired records",
+    )
+    max_stability_records_per_session: int = Field(
+        default=32768,
+        ge=1,
+        description="Sequences recorded with record_stability_info kept per client session; past "
+        "it the session's oldest are evicted (a training request naming one is then a 400). "
+        "32768 is 16 RL steps of 128 prompts x 16 samples",
+    )
 
 
 class ServerConfig(EngineConfig):

@@ -19,6 +19,7 @@ from engine.backends.losses import (
     clip_range,
 )
 from engine.errors import UserInputError
+from engine.rules import STABLE_REINFORCE
 
 _TRUE = ("1", "1.0", "true", "yes", "on")
 _FALSE = ("0", "0.0", "false", "no", "off", "")
@@ -75,6 +76,14 @@ def parse_config(
                 f"loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold "
                 f"(got {lo}, {hi})"
             )
+    if spec.name == STABLE_REINFORCE:
+        for band in ("token_mask", "seq_mask"):
+            lo, hi = cfg[f"{band}_low"], cfg[f"{band}_high"]
+            if not 0 <= lo <= 1 <= hi:
+                # a band without 1 would mask every on-policy token: nothing would train
+                raise UserInputError(
+                    f"loss_fn_config: need 0 <= {band}_low <= 1 <= {band}_high (got {lo}, {hi})"
+                )
     if spec.name == "dro" and cfg["beta"] < 0:
         raise UserInputError(f"loss_fn_config.beta: {cfg['beta']} must be >= 0")
     if spec.name == "infonce":

@@ -22,9 +22,18 @@ Notation: ``lp`` = learner log p of target_tokens [N], ``old`` = ``loss_fn_input
   its own lp's gradient (``exp(log s + lp - stopgrad(lp))``, log s from stopgrad(lp)); then PPO's
   clipped min with A. Clip defaults 0.8 / 1.2 (Tinker's PPO values; its gspo page gives none).
   A datum whose mask marks no token is refused (the mean would be NaN).
-* ``stable_reinforce`` is refused with what to use instead: Tinker has not published its
-  objective (it reads undocumented stability info recorded at sampling time), so no server can
-  promise the same loss curve.
+* ``stable_reinforce`` (REINFORCE with masked importance weights against what the sampler
+  recorded; see `stable_reinforce`): ``q`` = ``recorded_logprobs``, ``s`` = ``recorded_mask``
+  (1 on sampled tokens; both filled in by the gateway from the datum's provenance spans),
+  ``d = stopgrad(lp) - q``, ``r = exp(d)``; token keep ``k = s * [lo_t <= r <= hi_t]``; sequence
+  keep ``K = [lo_s <= exp(sum(s * d) / sum(s)) <= hi_s]`` (the geometric-mean ratio over the
+  datum's sampled tokens); per token ``-stopgrad(r * k * K) * lp * A``. Defaults
+  ``token_mask_low`` 0.5, ``token_mask_high`` 2.0, ``seq_mask_low`` 0.9, ``seq_mask_high`` 1.1.
+  Nonzero advantages on a position that is not a sampled token are refused. Metrics
+  ``sr_masked_frac:mean`` (sampled tokens masked, by either rule), ``sr_seq_masked_frac:mean``
+  (datums the sequence rule masked), ``sr_ratio:mean`` (mean r over sampled tokens),
+  ``sr_kl:mean`` (k3 estimate of KL(sampler || learner), ``r - 1 - log r``) and
+  ``sr_sampled_tokens:sum``.
 * ``dpo``: datums are (chosen, rejected) pairs in batch order; ``s = sum(lp * weights)`` per datum,
   ``r`` the same with the reference logprobs (``loss_fn_inputs["ref_logprobs"]``, else the base
   model's). ``-sum_pairs logsigmoid(beta * ((s_c - r_c) - (s_r - r_r))) + sft_weight *
@@ -78,7 +87,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import UserInputError
-from engine.rules import REFUSED_LOSS_FNS
+from engine.rules import RECORDED_LOGPROBS, RECORDED_MASK, STABLE_REINFORCE
 
 if TYPE_CHECKING:
     from engine.backends.train_rows import Request
@@ -144,6 +153,38 @@ def gspo(
     return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
 
 
+def stable_reinforce(
+    lp: torch.Tensor, x: Mapping[str, torch.Tensor], cfg: Mapping[str, float]
+) -> tuple[torch.Tensor, dict[str, tuple[float, int]]]:
+    """Per-token loss of one datum and its partial metrics (``name -> (sum, count)``).
+
+    Truncated importance weights against the sampler's recorded logprobs, with the tokens whose
+    ratio leaves the trust band masked rather than clipped (a clipped token still pushes in the
+    direction the stale sample says; a masked one does not), and the whole datum masked when its
+    geometric-mean ratio says it was sampled from a different policy. The weight is detached, so
+    the gradient of a kept token is ``-r * A * grad(lp)``, the importance-sampling gradient."""
+    sampled = x[RECORDED_MASK] != 0
+    d = lp.detach() - x[RECORDED_LOGPROBS]
+    r = torch.exp(d)
+    n = int(sampled.sum())
+    keep = sampled & (r >= cfg["token_mask_low"]) & (r <= cfg["token_mask_high"])
+    geo = torch.exp(d[sampled].mean()) if n else torch.ones((), dtype=d.dtype)
+    seq_ok = bool(cfg["seq_mask_low"] <= float(geo) <= cfg["seq_mask_high"])
+    if not seq_ok:
+        keep = torch.zeros_like(keep)
+    weight = torch.where(keep, r, torch.zeros_like(r))
+    per = -weight * lp * x["advantages"]
+    rs = r[sampled].double()
+    metrics = {
+        "sr_masked_frac:mean": (float(n - int(keep.sum())), n),
+        "sr_seq_masked_frac:mean": (float(not seq_ok), 1 if n else 0),
+        "sr_ratio:mean": (float(rs.sum()), n),
+        "sr_kl:mean": (float((rs - 1 - torch.log(rs)).sum()), n),
+        "sr_sampled_tokens:sum": (float(n), 1),
+    }
+    return per, metrics
+
+
 def sequence_logprob(lp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum(lp * weights)``: log p of the weighted (response) tokens of one datum."""
     return (lp * weights).sum()
@@ -187,6 +228,11 @@ class LossSpec:
     embedding: bool = False  # over pooled sentence embeddings; datums carry ``anchor``, no targets
     #: (float inputs of one datum, field prefix) → raises UserInputError; checks beyond shapes
     check: Callable[[Mapping[str, np.ndarray], str], None] | None = None
+    #: (lp [N], float inputs, config) → (per-token loss [N], partial metrics ``name -> (sum,
+    #: count)``); set instead of ``per_token`` by a loss that reports metrics of its own
+    per_token_metrics: Callable[..., tuple[torch.Tensor, dict[str, tuple[float, int]]]] | None = (
+        None
+    )
 
 
 def clip_range(cfg: Mapping[str, float]) -> tuple[float, float]:
@@ -198,6 +244,17 @@ def _some_masked(x: Mapping[str, np.ndarray], field: str) -> None:
         raise UserInputError(
             f"{field}.sequence_ratio_mask: marks no token (all zeros); gspo's sequence ratio is "
             "the mean log-ratio over the marked tokens, usually the sampled ones"
+        )
+
+
+def _sampled_only(x: Mapping[str, np.ndarray], field: str) -> None:
+    off = np.flatnonzero((x["advantages"] != 0) & (x[RECORDED_MASK] == 0))
+    if off.size:
+        raise UserInputError(
+            f"{field}.advantages: nonzero at position {int(off[0])}, which no "
+            "SampledProvenanceSpan of loss_fn_input_spans covers; stable_reinforce trains the "
+            "sampled tokens only (its weights come from the sampler's recorded logprobs), so "
+            "give prompt and other unsampled positions advantage 0"
         )
 
 
@@ -245,6 +302,18 @@ LOSSES: dict[str, LossSpec] = {
             check=_some_masked,
         ),
         LossSpec(
+            STABLE_REINFORCE,
+            inputs=("advantages", RECORDED_LOGPROBS, RECORDED_MASK),
+            config={
+                "token_mask_low": 0.5,
+                "token_mask_high": 2.0,
+                "seq_mask_low": 0.9,
+                "seq_mask_high": 1.1,
+            },
+            per_token_metrics=stable_reinforce,
+            check=_sampled_only,
+        ),
+        LossSpec(
             "dpo",
             optional=("weights", "ref_logprobs"),
             config={
@@ -271,8 +340,6 @@ EMBEDDING_LOSSES = tuple(sorted(n for n, s in LOSSES.items() if s.embedding))
 
 def get_loss(name: object) -> LossSpec:
     """The spec of ``name``; UserInputError listing the known losses otherwise (no fallback)."""
-    if isinstance(name, str) and name in REFUSED_LOSS_FNS:
-        raise UserInputError(f"loss_fn: {name!r} is not offered: {REFUSED_LOSS_FNS[name]}")
     spec = LOSSES.get(name) if isinstance(name, str) else None
     if spec is None:
         raise UserInputError(f"unknown loss_fn {name!r}; known: {', '.join(KNOWN_LOSSES)}")
@@ -339,12 +406,19 @@ def request_loss(
         x = {k: torch.from_numpy(v).to(device) for k, v in d.inputs.items()}
         x["weights"] = torch.from_numpy(d.weights).to(device)
         tensors.append(x)
-    if spec.per_token is not None:
+    if spec.per_token is not None or spec.per_token_metrics is not None:
         parts = []
         for i, lp, x in zip(idx, lps, tensors, strict=True):
             if not spec.top_k:
                 lp, x["weights"] = lp[:, 0], x["weights"][:, 0]
-            per = spec.per_token(lp, x, cfg)
+            with_metrics = spec.per_token_metrics
+            if with_metrics is not None:
+                per, partial = with_metrics(lp, x, cfg)
+                for name, (total, count) in partial.items():
+                    metrics.add(name, total, count)
+            else:
+                assert spec.per_token is not None
+                per = spec.per_token(lp, x, cfg)
             lpo = _f32(lp)
             outputs[i] = {
                 "logprobs": lpo if req.data[i].two_d or lpo.ndim == 1 else lpo[:, 0].copy(),

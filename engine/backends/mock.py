@@ -58,7 +58,16 @@ DIM = 16
 VOCAB_SIZE = 512
 EOS_ID = 256
 #: the losses the real backend knows (engine/backends/losses.py KNOWN_LOSSES; a test pins it)
-MOCK_LOSSES = ("cispo", "cross_entropy", "dpo", "dro", "gspo", "importance_sampling", "ppo")
+MOCK_LOSSES = (
+    "cispo",
+    "cross_entropy",
+    "dpo",
+    "dro",
+    "gspo",
+    "importance_sampling",
+    "ppo",
+    "stable_reinforce",
+)
 #: the embedding losses it knows (engine/backends/losses.py EMBEDDING_LOSSES; a test pins it)
 MOCK_EMBEDDING_LOSSES = EMBEDDING_LOSS_FNS
 OPTIMIZER_FILE = "mock_optimizer.safetensors"

@@ -7,7 +7,9 @@ limit for an org, ``subject_type="org"``, or a user override, ``subject_type="us
 ledger (hourly buckets per hour, user, session, base model, kind) and the audit log (a key's
 display prefix at most, never the key). A session's server-side custom losses (migration
 ``0004_custom_losses``). Session traces (``0005_request_traces``): one row per finished request
-of a session (kind, target, times, status; never a payload).
+of a session (kind, target, times, status; never a payload). Stability records
+(``0007_stability_records``): what a sampler recorded for one sampled sequence of a session
+(``record_stability_info``), read by ``stable_reinforce`` training requests.
 
 These are neither wire schemas nor engine types. Timestamps are stored as naive UTC: every
 timestamp column is annotated ``NaiveDatetime`` because sqlmodel >= 0.0.50 maps a plain ``datetime``
@@ -20,7 +22,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import NaiveDatetime
-from sqlalchemy import JSON, BigInteger, Column, Float, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, Float, LargeBinary, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 # Each ``__tablename__ = "..."`` below carries ``# pyright: ignore[reportAssignmentType]``:
@@ -179,6 +181,25 @@ class SamplingSessionRow(SQLModel, table=True):
     model_path: str | None = Field(default=None, max_length=512)
     adapter_dir: str | None = Field(default=None, max_length=1024)
     created_at: NaiveDatetime = Field(default_factory=utcnow)
+
+
+class StabilityRecordRow(SQLModel, table=True):
+    """One sequence a sampling client with ``record_stability_info`` returned: its prompt, its
+    sampled tokens and the sampler's own logprob of each (int32 / int32 / float32 little-endian
+    bytes), under the ``sequence_id`` the client got. Usable only by training requests of the
+    same client session; ``expires_at`` moves a day on at each use (gateway/tinker_api/
+    stability.py). ``id`` orders a session's records for evicting the oldest."""
+
+    __tablename__ = "stability_records"  # pyright: ignore[reportAssignmentType]
+
+    id: int | None = Field(default=None, primary_key=True)
+    sequence_id: str = Field(unique=True, max_length=64)
+    session_id: str = Field(index=True, max_length=64)
+    prompt: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    tokens: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    logprobs: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    created_at: NaiveDatetime = Field(default_factory=utcnow)
+    expires_at: NaiveDatetime = Field(index=True)
 
 
 # -- hosted-service layer (accounts, quotas, usage, audit) --------------------------------

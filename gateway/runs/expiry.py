@@ -28,6 +28,7 @@ from gateway.db.tables import CheckpointRow, SessionRow, TrainingRunRow, UserRow
 from gateway.engine_client import EngineClient
 from gateway.runs.checkpoints import CHECKPOINT_DELETED, delete_checkpoint
 from gateway.runs.retention import prune_rows
+from gateway.runs.stability_records import drop_sessions
 
 log = logging.getLogger(__name__)
 EXPIRED = "expired"
@@ -85,6 +86,7 @@ async def finish_sessions(
         runs += [(r.base_model, r.id) for r in mine]
         user = db.get(UserRow, s.user_id)
         slots.append((s.user_id, user.org_id if user else None, [r.id for r in mine]))
+    drop_sessions(db, [s.id for s in sessions])
     db.commit()
     if quotas is not None:
         for user_id, org_id, run_ids in slots:

@@ -9,6 +9,8 @@ and request traces, so neither grows without bound.
   ``gateway.trace_retention_seconds`` and at most ``gateway.max_trace_rows_per_user`` per user,
   the newest kept: a tenant stepping 10 times a second for a week would otherwise leave six
   million rows.
+* Stability records (`StabilityRecordRow`) past their expiry are deleted (an ended session's go
+  when it ends, gateway/runs/expiry.py).
 
 Every gateway replica may run this; each step is idempotent.
 """
@@ -22,6 +24,7 @@ from sqlmodel import Session, col, select
 
 from gateway.config import GatewayConfig
 from gateway.db.tables import CustomLossRow, RequestTraceRow, SessionRow
+from gateway.runs.stability_records import prune_expired
 
 
 def _delete(db: Session, stmt: Delete) -> int:
@@ -66,3 +69,4 @@ def prune_rows(db_engine: Engine, config: GatewayConfig) -> None:
     with Session(db_engine) as db:
         prune_custom_losses(db)
         prune_request_traces(db, config.trace_retention_seconds, config.max_trace_rows_per_user)
+        prune_expired(db)

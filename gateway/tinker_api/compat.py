@@ -36,9 +36,36 @@ class TensorWire(WireRequest):
     shape: list[int] | None = None
 
 
+class SpanRunWire(WireRequest):
+    sequence_id: str
+    offset: int = Field(0, ge=0)
+    length: int = Field(ge=0)
+
+
+class ProvenanceSpanWire(WireRequest):
+    """One provenance run as the proto's JSON mapping spells it: exactly one of the two arms."""
+
+    prompt_tokens: SpanRunWire | None = None
+    sampled_tokens: SpanRunWire | None = None
+
+
 class DatumWire(WireRequest):
     model_input: ModelInputWire
     loss_fn_inputs: dict[str, TensorWire] = Field(default_factory=dict)
+    model_input_spans: list[ProvenanceSpanWire] | None = None
+    loss_fn_input_spans: list[ProvenanceSpanWire] | None = None
+
+
+def _spans_to_proto(spans: list[ProvenanceSpanWire] | None, out, where: str) -> None:
+    for j, span in enumerate(spans or ()):
+        arms = [k for k in ("prompt_tokens", "sampled_tokens") if getattr(span, k) is not None]
+        if len(arms) != 1:
+            raise InvalidRequestError(
+                f"{where}[{j}]: must hold exactly one of prompt_tokens, sampled_tokens"
+            )
+        run = getattr(span, arms[0])
+        arm = getattr(out.add(), arms[0])
+        arm.sequence_id, arm.offset, arm.length = run.sequence_id, run.offset, run.length
 
 
 class ForwardBackwardInputWire(WireRequest):
@@ -109,6 +136,11 @@ def json_forward_backward_to_proto(payload: Any, *, forward_only: bool = False) 
             tm.dense = arr.tobytes()
             tm.dtype = pb.DTYPE_INT64 if t.dtype == "int64" else pb.DTYPE_FLOAT32
             tm.shape.extend(shape)
+        where = f"forward_backward_input.data[{i}]"
+        _spans_to_proto(d.model_input_spans, dm.model_input_spans, f"{where}.model_input_spans")
+        _spans_to_proto(
+            d.loss_fn_input_spans, dm.loss_fn_input_spans, f"{where}.loss_fn_input_spans"
+        )
     return msg.SerializeToString()
 
 

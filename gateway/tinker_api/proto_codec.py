@@ -24,7 +24,7 @@ from engine.protocol import (
     SampleOutput,
     TopkLogprobs,
 )
-from engine.rules import EMBEDDING_LOSS_FNS, REFUSED_LOSS_FNS
+from engine.rules import EMBEDDING_LOSS_FNS
 from gateway.errors import InvalidRequestError, PayloadTooLargeError
 from gateway.tinker_api.wire_pb import pb
 
@@ -46,7 +46,7 @@ _TOKEN_BYTES = 8
 DECODED_BUDGET_KEY = "gateway.max_decoded_request_mb"
 
 
-def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
+def decode_tensor(msg: pb.Tensor, where: str) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise InvalidRequestError(f"{where}.dtype: unsupported dtype {msg.dtype}")
@@ -213,7 +213,7 @@ def decode_forward_backward(
     for i, d in enumerate(msg.data):
         tokens, images = model_input_chunks(d.model_input, f"data[{i}].model_input")
         inputs = {
-            name: _tensor(t, f"data[{i}].loss_fn_inputs.{name}")
+            name: decode_tensor(t, f"data[{i}].loss_fn_inputs.{name}")
             for name, t in d.loss_fn_inputs.items()
             if keep is None or name in keep
         }
@@ -225,10 +225,6 @@ def decode_forward_backward(
             f"loss_fn: {loss_fn!r} is not a Tinker loss; embedding training is available through "
             "the Twinkle native API only (set_loss('InfonceLoss'), forward_backward(task="
             "'embedding'))"
-        )
-    if loss_fn in REFUSED_LOSS_FNS:
-        raise InvalidRequestError(
-            f"loss_fn: {loss_fn!r} is not offered: {REFUSED_LOSS_FNS[loss_fn]}"
         )
     inp = ForwardBackwardInput(
         data=data,

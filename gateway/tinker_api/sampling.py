@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 
 from engine.protocol import ImagePart, SampleInput, SamplingParams
@@ -11,6 +13,7 @@ from gateway.deps import ConfigDep, DbDep, PrincipalDep, owned_sampler, owned_se
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.futures.store import fingerprint
 from gateway.images import check_images, json_image_chunk
+from gateway.runs import stability_records as stability
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.runs.request_log import trace_tag
 from gateway.tinker_api.proto_codec import encode_sample_output, target_ids_from_wire
@@ -136,7 +139,7 @@ def _prompt(req: SampleRequest) -> tuple[list[int], list[ImagePart]]:
 @router.post("/asample", **returns(SampleFutureResponse))
 async def asample(req: SampleRequest, t: ContextDep) -> dict:
     """Sample from a sampling session (or a base model / checkpoint path); protobuf result."""
-    trace = None
+    trace, row = None, None
     if req.sampling_session_id:
         row = owned_sampler(t.db, t.who, req.sampling_session_id)
         trace = trace_tag(row.session_id, row.id)
@@ -151,13 +154,20 @@ async def asample(req: SampleRequest, t: ContextDep) -> dict:
         idem = None
     fp = fingerprint(req.model_dump(mode="json"))
 
-    async def prepare() -> Prepared:
-        run = await _sample_run(t, req, base, adapter_dir)
-        return run, {"sequence_ids": [], "trace": trace}
+    if req.record_stability_info and row is None:
+        raise InvalidRequestError(
+            "record_stability_info: needs a sampling_session_id (records belong to the client "
+            "session of a sampling client)"
+        )
 
+    async def prepare() -> Prepared:
+        ids = stability.new_sequence_ids(req.num_samples)
+        keep = (row.session_id, ids) if req.record_stability_info and row is not None else None
+        run = await _sample_run(t, req, base, adapter_dir, keep)
+        return run, {"sequence_ids": ids, "trace": trace}
+
+    # a retry of the same seq_id gets the first future, with its sequence ids
     rec = await submit_once(t, idem, fp, "sample", prepare)
-    if not rec.extra["sequence_ids"]:  # a new future (a retry's record has them already)
-        rec.extra["sequence_ids"] = [f"{rec.request_id}:{i}" for i in range(req.num_samples)]
     return {"request_id": rec.request_id, "sample_sequence_ids": rec.extra["sequence_ids"]}
 
 
@@ -166,9 +176,11 @@ async def _sample_run(
     req: SampleRequest,
     base: str,
     adapter_dir: str | None,
+    keep: tuple[str, list[str]] | None = None,
 ) -> Run:
-    """Charge the token rate and take a sampling slot; the coroutine samples, records usage, and
-    gives back the slot and the unused tokens."""
+    """Charge the token rate and take a sampling slot; the coroutine samples, records usage (and,
+    with ``keep`` = (client session, sequence ids), each sequence's stability info), and gives
+    back the slot and the unused tokens."""
     target_ids, target_csr = None, None
     if req.target_prompt_logprobs is not None:
         target_ids, target_csr = target_ids_from_wire(req.target_prompt_logprobs)
@@ -197,7 +209,7 @@ async def _sample_run(
     session_id = req.sampling_session_id.split(":")[0] if req.sampling_session_id else None
     async with metering.admitted(t, session_id) as adm:
         await adm.meter(base, n_prompt, inp.params.max_tokens * inp.num_samples, inp.num_samples)
-    engine = t.engine
+    engine, bind = t.engine, t.services.db_engine
     # a sampling session sticks to one Sampler replica (its adapter stays cached there)
     affinity = req.sampling_session_id or adapter_dir
 
@@ -206,6 +218,17 @@ async def _sample_run(
         try:
             out = await engine.sampler(base, affinity=affinity).sample(inp)
             sampled = sum(len(s.tokens) for s in out.sequences)
+            if keep is not None:
+                gw = t.config.gateway
+                await asyncio.to_thread(
+                    stability.record,
+                    bind,
+                    *keep,
+                    inp.prompt_tokens,
+                    out,
+                    gw.stability_ttl_seconds,
+                    gw.max_stability_records_per_session,
+                )
             return "proto", encode_sample_output(out, target_csr)
         finally:
             await adm.finish(sampled)

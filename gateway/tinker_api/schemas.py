@@ -162,6 +162,8 @@ class SampleRequest(WireRequest):
     prompt_alt_tokens_k: int = Field(0, ge=0)
     prompt_logprobs_last_n: int | None = None
     target_prompt_logprobs: dict | None = None  # TensorData JSON (dense or sparse CSR)
+    #: record each returned sequence's stability info for stable_reinforce (None: false)
+    record_stability_info: bool | None = None
 
 
 class RetrieveFutureRequest(WireRequest):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from engine.protocol import AdamParams, LoraSpec
+from engine.rules import STABLE_REINFORCE
 from gateway.context import ContextDep, RequestContext
 from gateway.db.tables import TrainingRunRow
 from gateway.deps import owned_run, owned_session
@@ -20,8 +21,8 @@ from gateway.futures.store import fingerprint
 from gateway.images import check_images
 from gateway.runs.checkpoints import readable_checkpoint
 from gateway.runs.request_log import trace_tag
-from gateway.tinker_api import jobs, train_input
-from gateway.tinker_api.proto_codec import image_token_count
+from gateway.tinker_api import jobs, provenance, train_input
+from gateway.tinker_api.proto_codec import check_decoded_size, image_token_count
 from gateway.tinker_api.schemas import (
     CreateModelRequest,
     FutureResponse,
@@ -126,6 +127,13 @@ async def forward_backward(request: Request, t: ContextDep) -> dict:
     planned = train_input.plan(t, run, msg)
 
     async def prepare() -> Run:
+        job_body = body
+        if (msg.loss_fn or "cross_entropy") == STABLE_REINFORCE and planned.error is None:
+            # the engine gets the recorded logprobs as inputs; a replica taking the job over
+            # re-decodes this body, so it carries them too
+            provenance.resolve(t.db, run.session_id, msg, t.config.gateway.stability_ttl_seconds)
+            check_decoded_size(msg, planned.keep, t.config.gateway.max_decoded_request_mb * 2**20)
+            job_body = msg.SerializeToString()
         inp = await train_input.decode(planned)
         model_cfg = t.config.model(run.base_model)
         if model_cfg is not None:  # 413 over the image caps, in order like any bad input
@@ -141,7 +149,7 @@ async def forward_backward(request: Request, t: ContextDep) -> dict:
         # Over the rate: 429 + retry-after (the SDK resends this seq_id); a request that can
         # never fit is a QuotaExceededError, which fails this seq_id in order.
         await metering.charge_training(t, n_tokens)
-        job = jobs.forward_backward_job(run.base_model, run.id, seq_id, body, planned.graph)
+        job = jobs.forward_backward_job(run.base_model, run.id, seq_id, job_body, planned.graph)
         return _metered(t, run, jobs.runner(t.engine, job, inp), n_tokens)
 
     rec = await submit_sequenced(t, run, seq_id, fp, kind, prepare, planned.nbytes)

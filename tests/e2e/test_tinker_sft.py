@@ -174,23 +174,63 @@ def test_rl_losses_through_the_sdk(service, loss_fn):
     assert step.metrics["grad_norm"] > 0
 
 
-def test_stable_reinforce_is_refused_with_what_to_use_instead(service):
-    """stable_reinforce's objective is unpublished: a 400 at submission naming loss_fn and the
-    losses to use instead, and the session keeps training."""
-    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=6).result()
+def _rl_datum(prompt: list[int], seq, advantage: float, sequence_id: str) -> types.Datum:
+    """tinker-cookbook 0.6.1 ``recipes/rl_loop.py``'s datum and its ``with_sampled_provenance``."""
+    toks, ob = list(seq.tokens), len(prompt) - 1
     datum = types.Datum(
-        model_input=types.ModelInput.from_ints(SEQS[0][:-1]),
+        model_input=types.ModelInput.from_ints(prompt + toks[:-1]),
         loss_fn_inputs={
-            "target_tokens": SEQS[0][1:],
-            "logprobs": [0.0] * (len(SEQS[0]) - 1),
-            "advantages": [1.0] * (len(SEQS[0]) - 1),
+            "target_tokens": [0] * ob + toks,
+            "logprobs": [0.0] * ob + list(seq.logprobs),
+            "advantages": [0.0] * ob + [advantage] * len(toks),
         },
     )
+    return datum.with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=sequence_id, length=len(prompt)),
+            types.SampledProvenanceSpan(sequence_id=sequence_id, length=len(toks) - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=sequence_id, offset=1, length=ob),
+            types.SampledProvenanceSpan(sequence_id=sequence_id, length=len(toks)),
+        ],
+    )
+
+
+def test_stable_reinforce_with_stability_info_and_provenance(service):
+    """rl_loop's stable_reinforce step through the unmodified SDK: a sampling client with
+    record_stability_info, datums naming its sequences, forward_backward + optim_step; the loss
+    is finite and the stability metrics are there. A span naming no recorded sequence is refused
+    naming the datum and span, and the model keeps training."""
+    tc = service.create_lora_training_client(base_model=BASE, rank=4, seed=6).result()
+    prompt = SEQS[0][:5]
+    for step in range(2):
+        sc = tc.save_weights_and_get_sampling_client(record_stability_info=True)
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3 + step)
+        res = sc.sample(types.ModelInput.from_ints(prompt), 4, params).result()
+        ids = [s.sequence_id for s in res.sequences]
+        assert len(set(ids)) == 4 and all(ids)
+        adv = [1.0, -1.0, 0.5, -0.5]
+        data = [
+            _rl_datum(prompt, s, a, s.sequence_id) for s, a in zip(res.sequences, adv, strict=True)
+        ]
+        fb = tc.forward_backward(data, "stable_reinforce").result()
+        opt = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        m = fb.metrics
+        assert math.isfinite(m["loss:sum"]), m
+        for key in ("sr_masked_frac:mean", "sr_ratio:mean", "sr_kl:mean"):
+            assert math.isfinite(m[key]), m
+        assert m["sr_sampled_tokens:sum"] == sum(len(s.tokens) for s in res.sequences)
+        assert m["sr_ratio:mean"] == pytest.approx(1.0, abs=0.05)  # sampled from these weights
+        assert len(fb.loss_fn_outputs) == 4 and "logprobs" in fb.loss_fn_outputs[0]
+        assert opt is not None
+    bad = _rl_datum(prompt, res.sequences[0], 1.0, "not-a-sequence:0")
     with pytest.raises(
-        tinker.RequestFailedError, match="loss_fn: .stable_reinforce. is not offered"
+        tinker.RequestFailedError,
+        match=r"data\[0\]\.model_input_spans\[0\]\.prompt_tokens\.sequence_id: 'not-a-sequence:0'",
     ):
-        tc.forward_backward([datum], "stable_reinforce").result()
-    assert math.isfinite(tc.forward_backward([datum], "ppo").result().metrics["loss:sum"])
+        tc.forward_backward([bad], "stable_reinforce").result()
+    assert math.isfinite(tc.forward_backward(data, "stable_reinforce").result().metrics["loss:sum"])
 
 
 def test_topk_and_last_n_prompt_logprobs_through_the_sdk(service):

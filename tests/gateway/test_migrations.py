@@ -47,8 +47,10 @@ TABLES = {
     "custom_losses",
     # 0005_request_traces
     "request_traces",
+    # 0007_stability_records
+    "stability_records",
 }
-HEAD = "0006_bigint_columns"
+HEAD = "0007_stability_records"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

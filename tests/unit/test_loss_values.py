@@ -160,7 +160,13 @@ def test_disable_lora_gives_base_logprobs(tiny_model_dir: Path, be, refs, rng, f
             2,
             "data[0].loss_fn_inputs.sequence_ratio_mask: required by loss_fn 'gspo'",
         ),
-        ("stable_reinforce", (), {}, 2, "loss_fn: 'stable_reinforce' is not offered: Tinker has"),
+        (
+            "stable_reinforce",
+            (),
+            {},
+            2,
+            "data[0].loss_fn_inputs.recorded_logprobs: required by loss_fn 'stable_reinforce'",
+        ),
         (
             "ppo",
             ("advantages",),
