@@ -287,10 +287,10 @@ def abstract_call(target: str, fn: Callable, args: tuple, kwargs: dict) -> tuple
 
 def _matrix_dims(args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
     """(batch, m, n) of a nuclear norm (its SVD), or None for any other norm."""
+    x = args[0] if args else None
     p = args[1] if len(args) > 1 else kwargs.get("p", kwargs.get("ord"))
-    if p != "nuc" or not isinstance(args[0], torch.Tensor):
+    if p != "nuc" or not isinstance(x, torch.Tensor):
         return None
-    x = args[0]
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     dims = sorted(_dims(dim, x.ndim)) if dim is not None else list(range(x.ndim))[-2:]
     if len(dims) != 2:

@@ -115,15 +115,20 @@ def record_denied(request: Request, principal: Any, reason: str) -> None:
         log.warning("could not write access_denied audit event", exc_info=True)
 
 
+def _rowcount(result: Any) -> int:
+    """Rows a DELETE removed (a CursorResult's, which the generic Result type hides)."""
+    return int(result.rowcount or 0)
+
+
 def prune_denied_events(session: Session, *, max_age_s: float, max_rows: int) -> int:
     """Delete ``access_denied`` events older than ``max_age_s`` and all but the newest
     ``max_rows`` (>= 1) of them (admin events are kept); how many were deleted. Idempotent, so every
     replica's sweep may run it."""
-    denied = AuditEventRow.event == ACCESS_DENIED
+    denied = col(AuditEventRow.event) == ACCESS_DENIED
     cutoff = utcnow() - timedelta(seconds=max_age_s)
-    deleted = session.execute(
-        delete(AuditEventRow).where(denied, col(AuditEventRow.created_at) < cutoff)
-    ).rowcount
+    deleted = _rowcount(
+        session.execute(delete(AuditEventRow).where(denied, col(AuditEventRow.created_at) < cutoff))
+    )
     # the id of the oldest row to keep: rows are appended, so ids follow time
     keep_from = session.exec(
         select(AuditEventRow.id)
@@ -133,9 +138,9 @@ def prune_denied_events(session: Session, *, max_age_s: float, max_rows: int) ->
         .limit(1)
     ).first()
     if keep_from is not None:
-        deleted += session.execute(
-            delete(AuditEventRow).where(denied, col(AuditEventRow.id) < keep_from)
-        ).rowcount
+        deleted += _rowcount(
+            session.execute(delete(AuditEventRow).where(denied, col(AuditEventRow.id) < keep_from))
+        )
     session.commit()
     if deleted:
         log.info("pruned %d access_denied audit events", deleted)

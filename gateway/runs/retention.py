@@ -58,7 +58,7 @@ def prune_request_traces(db: Session, retention_s: float, per_user: int) -> int:
             .offset(per_user)
         ).first()
         stmt = delete(RequestTraceRow).where(
-            RequestTraceRow.user_id == user_id, col(RequestTraceRow.id) <= edge
+            col(RequestTraceRow.user_id) == user_id, col(RequestTraceRow.id) <= edge
         )
         gone += _delete(db, stmt)
     db.commit()
