@@ -4,9 +4,10 @@ JWT, Postgres, fused execution of the tiny chat model's Trainer).
 Two honest tenants train and sample in a loop with the unmodified Tinker SDK
 (tests/e2e/hostile_watch.py) while a third, capped at 2 training clients and 3 checkpoints, sends
 each attack of tests/e2e/hostile_attacks.py in turn. Every attack is refused or contained; every
-honest step succeeds; the honest tenants' median step time under each attack stays within 2x of
-their undisturbed median; healthz answers 200 throughout; and the server's memory (the RSS of its
-whole process tree) is back within 256 MiB of its undisturbed level a minute after the last attack.
+honest step succeeds; the honest tenants' median step time under each attack (both tenants' steps
+pooled) stays within 2x of their undisturbed median; healthz answers 200 throughout; and the
+server's memory (the RSS of its whole process tree) is back within 256 MiB of its undisturbed
+level a minute after the last attack.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.e2e.hostile_watch import Honest, Watch, median_seconds
 
 pytestmark = pytest.mark.e2e
 #: steps each honest tenant runs undisturbed first, and at least during each attack
-UNDISTURBED_STEPS, STEPS_PER_ATTACK = 6, 2
+UNDISTURBED_STEPS, STEPS_PER_ATTACK = 6, 3
 MEMORY_SLACK = 256 * 2**20
 
 
@@ -65,15 +66,16 @@ def test_a_hostile_tenant_cannot_hurt_honest_ones(arena) -> None:
         for t in tenants:
             t.stop()
 
+    # both tenants' steps pooled per phase: a median of 6+ steps, not of 3, so one step slowed by
+    # the test process's own sending (8 x 48 MiB on the same cores) does not decide it
+    base = median_seconds([s for t in tenants for s in t.steps_in("undisturbed")])
     rows = []
-    for t in tenants:
-        base = median_seconds(t.steps_in("undisturbed"))
-        for attack in ATTACKS:
-            steps = t.steps_in(attack.__name__)
-            rows.append((attack.__name__, base, median_seconds(steps), len(steps)))
-    print(f"\n{'attack':48} {'undisturbed s':>14} {'under attack s':>15} {'steps':>6}")
-    for name, base, under, n in rows:
-        print(f"{name:48} {base:14.2f} {under:15.2f} {n:6d}")
+    for attack in ATTACKS:
+        steps = [s for t in tenants for s in t.steps_in(attack.__name__)]
+        rows.append((attack.__name__, base, median_seconds(steps), len(steps)))
+    print(f"\n{'attack':52} {'undisturbed s':>14} {'under attack s':>15} {'steps':>6}")
+    for name, b, under, n in rows:
+        print(f"{name:52} {b:14.2f} {under:15.2f} {n:6d}")
     print(f"server tree RSS: {baseline_rss / 2**20:.0f} MiB before, {final_rss / 2**20:.0f} after")
 
     errors = [(s.phase, s.error) for t in tenants for s in t.steps if s.error]
