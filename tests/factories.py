@@ -164,3 +164,26 @@ def create_user_and_key(
     assert user.id is not None
     key, _row = create_key(session, user.id, scope=SCOPE_ADMIN if admin else SCOPE_USER)
     return key
+
+
+def empty_sparse(cells: int, dtype: int | None = None):
+    """A 1 x ``cells`` sparse protobuf tensor with no values (float32 unless ``dtype``): ~40
+    bytes on the wire, ``cells`` elements once dense."""
+    from gateway.tinker_api.wire_pb import pb
+
+    t = pb.Tensor(dtype=pb.DTYPE_FLOAT32 if dtype is None else dtype, shape=[1, cells])
+    t.sparse_csr.crow_indices = np.array([0, 0], np.int64).tobytes()
+    return t
+
+
+def proto_datum(tokens: list[int]):
+    """A protobuf datum of ``tokens`` with next-token ``target_tokens`` (each id + 1)."""
+    from gateway.tinker_api.wire_pb import pb
+
+    d = pb.Datum()
+    d.model_input.add().encoded_text.tokens = np.array(tokens, "<i4").tobytes()
+    targets = np.array([t + 1 for t in tokens], np.int64)
+    d.loss_fn_inputs["target_tokens"].CopyFrom(
+        pb.Tensor(dtype=pb.DTYPE_INT64, dense=targets.tobytes(), shape=[len(tokens)])
+    )
+    return d

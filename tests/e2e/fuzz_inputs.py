@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gateway.tinker_api.wire_pb import pb
+from tests.factories import empty_sparse
 
 VOCAB = 2048  # twinkle/tiny-chat
 
@@ -107,17 +108,10 @@ def _hostile(rng: random.Random, msg: pb.ForwardBackwardRequest) -> str:
             dd = msg.data.add() if extra else d
             if extra:
                 dd.CopyFrom(_datum(rng, 3))
-            dd.loss_fn_inputs["weights"].CopyFrom(_sparse_cells(2**24 - rng.randrange(16)))
+            dd.loss_fn_inputs["weights"].CopyFrom(empty_sparse(2**24 - rng.randrange(16)))
         return SUMMED_SPARSE
     msg.model_id = rng.choice(["", "x" * 5000, "../../etc/passwd", "s:train:99999"])
     return "unknown model id"
-
-
-def _sparse_cells(cells: int) -> pb.Tensor:
-    sparse = pb.Tensor(dtype=pb.DTYPE_FLOAT32)
-    sparse.shape.extend([1, cells])
-    sparse.sparse_csr.crow_indices = np.array([0, 0], np.int64).tobytes()
-    return sparse
 
 
 SEQ_EDGE = "seq_id at the int32 edges"

@@ -22,6 +22,7 @@ import torch
 from tinker import types
 
 from gateway.tinker_api.wire_pb import pb
+from tests.factories import empty_sparse, proto_datum
 
 BASE = "twinkle/tiny-chat"
 PROTO = "application/x-protobuf"
@@ -41,23 +42,6 @@ class Arena:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
 
-def _sparse(cells: int) -> pb.Tensor:
-    """A 1 x ``cells`` float32 sparse tensor with no values: ~40 bytes on the wire."""
-    t = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, cells])
-    t.sparse_csr.crow_indices = np.array([0, 0], np.int64).tobytes()
-    return t
-
-
-def _datum(tokens: list[int]) -> pb.Datum:
-    d = pb.Datum()
-    d.model_input.add().encoded_text.tokens = np.array(tokens, "<i4").tobytes()
-    targets = np.array([t + 1 for t in tokens], np.int64)
-    d.loss_fn_inputs["target_tokens"].CopyFrom(
-        pb.Tensor(dtype=pb.DTYPE_INT64, dense=targets.tobytes(), shape=[len(tokens)])
-    )
-    return d
-
-
 def _raw_model(a: Arena) -> tuple[tinker.ServiceClient, str]:
     """A LoRA model of the attacker's driven by raw protobuf bodies from seq_id 1."""
     service = tinker.ServiceClient(base_url=a.url, api_key=a.attacker)
@@ -73,13 +57,13 @@ def sparse_tensors_summed_per_request(a: Arena) -> None:
     read = pb.ForwardBackwardRequest(model_id=mid, seq_id=1, loss_fn="cross_entropy")
     for _ in range(9):  # 9 x 2**24 float32 cells: 576 MiB dense, ~100 bytes each on the wire
         d = read.data.add()
-        d.CopyFrom(_datum([1, 2, 3]))
-        d.loss_fn_inputs["weights"].CopyFrom(_sparse(2**24))
+        d.CopyFrom(proto_datum([1, 2, 3]))
+        d.loss_fn_inputs["weights"].CopyFrom(empty_sparse(2**24))
     unread = pb.ForwardBackwardRequest(model_id=mid, seq_id=2, loss_fn="cross_entropy")
     d = unread.data.add()
-    d.CopyFrom(_datum([1, 2, 3]))
+    d.CopyFrom(proto_datum([1, 2, 3]))
     for k in range(23):  # 23 x 64 MiB under names cross_entropy never reads
-        d.loss_fn_inputs[f"junk{k}"].CopyFrom(_sparse(2**24))
+        d.loss_fn_inputs[f"junk{k}"].CopyFrom(empty_sparse(2**24))
     with a.http() as http:
         for msg in (read, unread):
             body = msg.SerializeToString()

@@ -4,7 +4,7 @@
 * a forward_backward is sized before anything in it is expanded: sparse tensors at their dense
   shape, summed over the whole request (``gateway.max_decoded_request_mb``), a 413 naming the
   field and the limit, and the seq_id still passes in order;
-* ``loss_fn_inputs`` no loss reads are dropped unread (a ~1 KB body used to decode to GiBs);
+* ``loss_fn_inputs`` no loss reads are dropped unread (so a ~1 KB body cannot decode to GiBs);
 * a zstd body is inflated to at most ``gateway.max_request_body_mb``; a JSON body is sized
   before it is parsed;
 * what one user's unfinished sequenced requests hold (behind a seq_id gap) is bounded per user,
@@ -19,12 +19,12 @@ import json
 import time
 import tracemalloc
 
-import numpy as np
 import pytest
 import zstandard
 from tinker import types
 
 from gateway.tinker_api.wire_pb import pb
+from tests.factories import empty_sparse, proto_datum
 from tests.gateway.harness import BASE, fwdbwd, fwdbwd_body, model
 
 ENGINE_BACKEND = "mock"  # HTTP semantics and gateway memory only (tests/gateway/conftest.py)
@@ -44,23 +44,6 @@ def gw(make_gateway):
             "max_sample_tokens_per_request": 1000,
         }
     )
-
-
-def _datum_msg(tokens: list[int]) -> pb.Datum:
-    d = pb.Datum()
-    d.model_input.add().encoded_text.tokens = np.array(tokens, "<i4").tobytes()
-    targets = np.array([t + 1 for t in tokens], np.int64)
-    d.loss_fn_inputs["target_tokens"].CopyFrom(
-        pb.Tensor(dtype=pb.DTYPE_INT64, dense=targets.tobytes(), shape=[len(tokens)])
-    )
-    return d
-
-
-def _sparse(cells: int, dtype=pb.DTYPE_INT64) -> pb.Tensor:
-    """A 1 x ``cells`` sparse tensor with no values: ~40 bytes on the wire."""
-    t = pb.Tensor(dtype=dtype, shape=[1, cells])
-    t.sparse_csr.crow_indices = np.array([0, 0], np.int64).tobytes()
-    return t
 
 
 def _post(gw, key: str, body: bytes, **headers):
@@ -92,9 +75,9 @@ def test_unread_sparse_inputs_of_a_tiny_body_are_never_expanded(gw) -> None:
     mid = model(gw.client, key)
     msg = pb.ForwardBackwardRequest(model_id=mid, seq_id=1, loss_fn="cross_entropy")
     d = msg.data.add()
-    d.CopyFrom(_datum_msg([1, 2, 3]))
+    d.CopyFrom(proto_datum([1, 2, 3]))
     for k in range(4):  # 4 x 2**24 int64 cells: 512 MiB once dense, ~40 bytes each on the wire
-        d.loss_fn_inputs[f"junk{k}"].CopyFrom(_sparse(2**24))
+        d.loss_fn_inputs[f"junk{k}"].CopyFrom(empty_sparse(2**24, pb.DTYPE_INT64))
     body = msg.SerializeToString()
     assert len(body) < 400
     r, peak = _traced(lambda: _post(gw, key, body))
@@ -108,8 +91,8 @@ def test_sparse_tensors_are_summed_per_request_before_expanding(gw) -> None:
     msg = pb.ForwardBackwardRequest(model_id=mid, seq_id=1, loss_fn="cross_entropy")
     for _ in range(4):  # each 16 MiB of float32 (under the 24 MiB budget alone): 64 MiB in all
         d = msg.data.add()
-        d.CopyFrom(_datum_msg([1, 2, 3]))
-        d.loss_fn_inputs["weights"].CopyFrom(_sparse(2**22, pb.DTYPE_FLOAT32))
+        d.CopyFrom(proto_datum([1, 2, 3]))
+        d.loss_fn_inputs["weights"].CopyFrom(empty_sparse(2**22))
     body = msg.SerializeToString()
     t0 = time.monotonic()
     r, peak = _traced(lambda: _post(gw, key, body))
